@@ -1,0 +1,1 @@
+"""Bringing raymoe up: YAML configs, placement groups, the CLI."""

@@ -1,0 +1,1 @@
+"""Compute and communication primitives: grouped expert MLP, attention, communicators."""
