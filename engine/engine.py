@@ -1,0 +1,278 @@
+"""The in-process engine: add requests, step, collect outputs.
+
+One step is schedule -> run -> postprocess:
+
+1. the scheduler picks a prefill of new sequences or a decode of all running ones;
+2. the model runs the step's tokens as one flat batch and the sampler picks a token for
+   every sequence from the logits of its last position;
+3. outputs are appended, stop conditions checked, finished sequences release their blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from raymoe.engine.block_manager import BlockManager
+from raymoe.engine.checkpoint import Checkpoint
+from raymoe.engine.experts import ExpertBackend, LocalExperts
+from raymoe.engine.kv_cache import KVCache
+from raymoe.engine.model import MoEModel
+from raymoe.engine.sampler import sample
+from raymoe.engine.sampling_params import SamplingParams
+from raymoe.engine.scheduler import Scheduler, SchedulerConfig
+from raymoe.engine.sequence import FinishReason, Sequence
+from raymoe.engine.weights import load_dense_weights, load_expert_stack, validate_checkpoint
+from raymoe.kernels.attention import AttentionMetadata
+from raymoe.moe.capacity import CapacityConfig
+from raymoe.moe.model_config import ModelConfig, load_model_config
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """``auto`` takes the checkpoint's dtype (float16 becomes float32 on the CPU)."""
+    if name == "auto":
+        name = config.dtype if config.dtype in _DTYPES else "float32"
+        if name == "float16" and device.type == "cpu":
+            name = "float32"
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: expected one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    kv_cache_bytes: int = 512 * 2**20
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
+    keep_logits: bool = False  # attach each step's logits row to the outputs (tests, debugging)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    output_token_ids: list[int]
+    stop_text_index: int | None = None
+    logits: torch.Tensor | None = None  # [V], only with EngineConfig.keep_logits
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: ModelConfig,
+        model: MoEModel,
+        engine_config: EngineConfig,
+        dtype: torch.dtype,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ):
+        self.config = config
+        self.model = model
+        self.engine_config = engine_config
+        self.device = torch.device(engine_config.device)
+        self.detokenize = detokenize
+        self.max_model_len = min(engine_config.max_model_len or config.max_position_embeddings,
+                                 config.max_position_embeddings)
+        block_size = engine_config.block_size
+        per_block = KVCache.bytes_per_token(config, dtype) * block_size
+        max_blocks = -(-self.max_model_len // block_size) * engine_config.scheduler.max_num_seqs
+        num_blocks = max(min(engine_config.kv_cache_bytes // per_block, max_blocks), -(-self.max_model_len // block_size))
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.cache = KVCache(config, num_blocks, block_size, dtype, self.device)
+        self.scheduler = Scheduler(engine_config.scheduler, self.blocks)
+        self._sequences: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self.num_steps = 0
+        self.step_seconds = 0.0
+
+    # ---- construction --------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str,
+        engine_config: EngineConfig | None = None,
+        experts: ExpertBackend | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> "LLMEngine":
+        """Load a checkpoint; with ``experts=None`` every expert is loaded into this process."""
+        engine_config = engine_config or EngineConfig()
+        config = load_model_config(model_dir)
+        device = torch.device(engine_config.device)
+        dtype = resolve_dtype(engine_config.dtype, config, device)
+        checkpoint = Checkpoint(model_dir)
+        validate_checkpoint(checkpoint, config)
+        weights = load_dense_weights(checkpoint, config, dtype, device)
+        if experts is None:
+            stacks = [
+                load_expert_stack(checkpoint, config, layer, list(range(config.num_experts)), dtype, device)
+                for layer in config.moe_layers
+            ]
+            experts = LocalExperts([s[0] for s in stacks], [s[1] for s in stacks], engine_config.capacity)
+        return cls(config, MoEModel(config, weights, experts), engine_config, dtype, detokenize)
+
+    # ---- requests ------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._sequences:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_prompt(prompt_token_ids, params)
+        generator = None
+        if not params.is_greedy:
+            generator = torch.Generator()
+            generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
+        sequence = Sequence(request_id, list(prompt_token_ids), params, generator, next(self._arrivals))
+        self._sequences[request_id] = sequence
+        self.scheduler.add(sequence)
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for prompts the engine can never serve (checked before queueing)."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens; the context length is {self.max_model_len}"
+            )
+        total = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        if self.blocks.blocks_needed(total) > self.blocks.num_blocks:
+            raise ValueError(f"{total} tokens exceed the KV cache ({self.blocks.num_blocks * self.blocks.block_size} tokens)")
+
+    def abort_request(self, request_id: str) -> None:
+        sequence = self._sequences.pop(request_id, None)
+        if sequence is not None and not sequence.is_finished:
+            sequence.finish_reason = FinishReason.ABORT
+            self.scheduler.finish(sequence)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        sequences = batch.sequences
+        last_rows = torch.tensor(list(itertools.accumulate(s.num_new_tokens for s in sequences))) - 1
+        hidden = self._run(sequences)  # [T, D]
+        logits = self.model.logits(hidden.index_select(0, last_rows.to(hidden.device))).cpu()  # [B, V]
+        tokens, logprobs = sample(logits, sequences)
+        outputs = [
+            self._postprocess(sequence, token, logprob, logits[i] if self.engine_config.keep_logits else None)
+            for i, (sequence, token, logprob) in enumerate(zip(sequences, tokens, logprobs))
+        ]
+        self.num_steps += 1
+        self.step_seconds += time.perf_counter() - started
+        return outputs
+
+    def _run(self, sequences: list[Sequence]) -> torch.Tensor:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        for sequence in sequences:
+            start = sequence.num_computed
+            input_ids.extend(sequence.token_ids()[start:])
+            positions.extend(range(start, sequence.num_tokens))
+        metadata = AttentionMetadata.build(
+            [s.num_new_tokens for s in sequences],
+            [s.num_tokens for s in sequences],
+            [s.block_table for s in sequences],
+            self.blocks.block_size,
+            self.config.sliding_window,
+        )
+        device = self.device
+        with torch.inference_mode():
+            hidden = self.model.forward(
+                torch.tensor(input_ids, dtype=torch.int64, device=device),
+                torch.tensor(positions, dtype=torch.int64, device=device),
+                _to_device(metadata, device),
+                self.cache,
+            )
+        for sequence in sequences:
+            sequence.num_computed = sequence.num_tokens
+        return hidden
+
+    def _postprocess(self, sequence: Sequence, token: int, logprob: float, logits: torch.Tensor | None) -> RequestOutput:
+        sequence.output_ids.append(token)
+        sequence.logprobs.append(logprob)
+        params = sequence.params
+        reason = None
+        if (not params.ignore_eos and token in self.config.eos_token_ids) or token in params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif params.stop and self.detokenize is not None and self._match_stop(sequence):
+            reason = FinishReason.STOP
+        elif len(sequence.output_ids) >= params.max_tokens or sequence.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            sequence.finish_reason = reason
+            self.scheduler.finish(sequence)
+            self._sequences.pop(sequence.request_id, None)
+        return RequestOutput(
+            request_id=sequence.request_id,
+            new_token_ids=[token],
+            new_logprobs=[logprob],
+            finished=reason is not None,
+            finish_reason=reason.value if reason else None,
+            num_prompt_tokens=len(sequence.prompt_ids),
+            output_token_ids=sequence.output_ids,
+            stop_text_index=sequence.stop_text_index,
+            logits=logits,
+        )
+
+    def _match_stop(self, sequence: Sequence) -> bool:
+        text = self.detokenize(sequence.output_ids)
+        found = [i for i in (text.find(s) for s in sequence.params.stop) if i >= 0]
+        if found:
+            sequence.stop_text_index = min(found)
+        return bool(found)
+
+    # ---- conveniences --------------------------------------------------------------
+    def generate(self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Run prompts to completion; returns each request's final output, in prompt order."""
+        prompts = list(prompts)
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{next(self._arrivals)}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(request_id, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for output in self.step():
+                if output.finished:
+                    final[output.request_id] = output
+        return [final[i] for i in ids]
+
+    def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Logits at every position of each prompt, ``[len, V]`` float32, in one prefill batch.
+
+        Runs beside in-flight requests without touching them: its blocks are returned at once.
+        """
+        sequences = [Sequence(f"score-{i}", list(p), SamplingParams(), None, -1) for i, p in enumerate(prompts)]
+        for sequence in sequences:
+            self.validate_prompt(sequence.prompt_ids, SamplingParams(max_tokens=1))
+            sequence.block_table = self.blocks.allocate(sequence.num_tokens)
+        try:
+            hidden = self._run(sequences)
+            logits = self.model.logits(hidden).cpu()
+        finally:
+            for sequence in sequences:
+                self.blocks.free(sequence.block_table)
+        return list(logits.split([len(p) for p in prompts]))
+
+
+def _to_device(metadata: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    if device.type == "cpu":
+        return metadata
+    return AttentionMetadata(**{k: v.to(device) for k, v in vars(metadata).items()})

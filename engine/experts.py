@@ -1,0 +1,102 @@
+"""How the model reaches its routed experts: one small interface, local and remote backends.
+
+Legend: T tokens, k experts per token, D hidden, A assignments, N received rows.
+
+The model hands each MoE layer's gate output to an :class:`ExpertBackend` and gets back the
+routed experts' combined output. :class:`LocalExperts` holds every expert in this process
+(the in-process engine, the reference); the distributed engine's remote backend plans the
+same way, sends rows to expert workers, and those workers call :func:`run_worker_slots`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from raymoe.kernels.expert_mlp import grouped_swiglu
+from raymoe.moe.capacity import CapacityConfig, keep_mask
+from raymoe.moe.plan import DispatchPlan, plan_dispatch
+from raymoe.moe.placement import PlacementTable, single_worker_placement
+
+
+class ExpertBackend(Protocol):
+    def forward(
+        self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """``hidden: [T, D]``, ``topk_ids/topk_weights: [T, k]`` -> routed output ``[T, D]``."""
+        ...
+
+
+def run_worker_slots(
+    rows: torch.Tensor,
+    assign_row: torch.Tensor,
+    assign_weight: torch.Tensor,
+    slot_counts: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    """One worker's share of a plan: experts over its rows, weighted, summed per row.
+
+    Args:
+        rows: ``[N, D]`` received rows (one per token routed to this worker).
+        assign_row: ``[A]`` row of each assignment, assignments sorted by local slot.
+        assign_weight: ``[A]`` combine weights; slot_counts: ``[S]`` assignments per slot.
+        w13, w2: this worker's stacked slot weights.
+    Returns:
+        ``[N, D]`` partial sums, aligned with ``rows``.
+    """
+    expert_in = rows.index_select(0, assign_row)  # [A, D]
+    expert_out = grouped_swiglu(expert_in, slot_counts, w13, w2)  # [A, D]
+    expert_out = expert_out * assign_weight.to(expert_out.dtype).unsqueeze(1)
+    return torch.zeros_like(rows).index_add_(0, assign_row, expert_out)
+
+
+def plan_layer(
+    placement: PlacementTable,
+    moe_layer: int,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    capacity: CapacityConfig,
+    log2phy: torch.Tensor | None = None,
+    logcnt: torch.Tensor | None = None,
+) -> DispatchPlan:
+    """Capacity, then the dispatch plan, for one MoE layer of ``placement``."""
+    kept = keep_mask(topk_ids, placement.num_experts, capacity)
+    if log2phy is None:
+        log2phy = torch.tensor(placement.log2phy[moe_layer])
+        logcnt = torch.tensor(placement.logcnt[moe_layer])
+    return plan_dispatch(
+        topk_ids, topk_weights, kept, log2phy, logcnt, placement.slots_per_worker, placement.num_slots
+    )
+
+
+class LocalExperts:
+    """All experts of every MoE layer in this process; one worker, slot ``e`` = expert ``e``."""
+
+    def __init__(self, w13: list[torch.Tensor], w2: list[torch.Tensor], capacity: CapacityConfig):
+        self.w13 = w13  # per MoE layer: [E, 2I, D]
+        self.w2 = w2  # per MoE layer: [E, D, I]
+        self.capacity = capacity
+        self.placement = single_worker_placement(len(w13), w13[0].shape[0]) if w13 else None
+        self._log2phy = [torch.tensor(self.placement.log2phy[i]) for i in range(len(w13))]
+        self._logcnt = [torch.tensor(self.placement.logcnt[i]) for i in range(len(w13))]
+        self.num_dropped = 0
+        self.tokens_per_expert = [torch.zeros(w.shape[0], dtype=torch.int64) for w in w13]
+
+    def forward(
+        self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        plan = plan_layer(
+            self.placement, moe_layer, topk_ids, topk_weights, self.capacity,
+            self._log2phy[moe_layer], self._logcnt[moe_layer],
+        )
+        self.num_dropped += plan.num_dropped
+        self.tokens_per_expert[moe_layer] += plan.slot_counts
+        # One worker: its rows are the tokens in order, so the partial sums are the output.
+        rows = hidden.index_select(0, plan.send_token.to(hidden.device))
+        partial = run_worker_slots(
+            rows, plan.assign_row.to(hidden.device), plan.assign_weight.to(hidden.device),
+            plan.slot_counts, self.w13[moe_layer], self.w2[moe_layer],
+        )
+        return torch.zeros_like(hidden).index_add_(0, plan.send_token.to(hidden.device), partial)

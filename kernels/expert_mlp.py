@@ -1,0 +1,76 @@
+"""Grouped SwiGLU expert MLP over rows sorted by expert slot.
+
+Legend: A rows (assignments) sorted by slot, S local slots, D hidden, I expert intermediate.
+
+``y[a] = down_s( silu(gate_s(x[a])) * up_s(x[a]) )`` for the slot ``s`` that row ``a``
+belongs to. Weights are stacked per slot: ``w13: [S, 2I, D]`` (gate rows, then up rows)
+and ``w2: [S, D, I]``, in the checkpoint's ``[out, in]`` layout, so every matmul reads the
+weights without a copy.
+
+Two implementations behind one function:
+- a loop over non-empty slots with one fused gate/up GEMM and one down GEMM each (CPU,
+  and any device);
+- ``torch._grouped_mm`` (one kernel for all slots) where torch offers it on CUDA with
+  bfloat16 weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def grouped_swiglu(
+    x: torch.Tensor, slot_counts: torch.Tensor | list[int], w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """Run each slot's expert over its contiguous block of rows.
+
+    Args:
+        x: ``[A, D]`` rows sorted by slot.
+        slot_counts: ``[S]`` rows per slot (sums to A).
+        w13: ``[S, 2I, D]``; w2: ``[S, D, I]``.
+    Returns:
+        ``[A, D]`` in the same row order as ``x``.
+    """
+    counts = slot_counts.tolist() if isinstance(slot_counts, torch.Tensor) else list(slot_counts)
+    if len(counts) != w13.shape[0]:
+        raise ValueError(f"{len(counts)} slot counts for {w13.shape[0]} stacked experts")
+    if sum(counts) != x.shape[0]:
+        raise ValueError(f"slot counts sum to {sum(counts)} but x has {x.shape[0]} rows")
+    if x.is_cuda and _can_grouped_mm(x, w13):
+        return _grouped_swiglu_cuda(x, counts, w13, w2)
+    return _grouped_swiglu_loop(x, counts, w13, w2)
+
+
+def _grouped_swiglu_loop(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    intermediate = w2.shape[2]
+    start = 0
+    for slot, count in enumerate(counts):
+        if count == 0:
+            continue
+        end = start + count
+        gate_up = F.linear(x[start:end], w13[slot])  # [n, 2I]
+        hidden = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]  # [n, I]
+        out[start:end] = F.linear(hidden, w2[slot])  # [n, D]
+        start = end
+    return out
+
+
+def _can_grouped_mm(x: torch.Tensor, w13: torch.Tensor) -> bool:
+    return (
+        hasattr(torch, "_grouped_mm")
+        and x.dtype == torch.bfloat16
+        and w13.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )
+
+
+def _grouped_swiglu_cuda(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    # One grouped GEMM per projection: offsets are the cumulative row counts (int32).
+    offsets = torch.tensor(counts, device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    intermediate = w2.shape[2]
+    gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offsets)  # [A, 2I]
+    hidden = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+    return torch._grouped_mm(hidden.contiguous(), w2.transpose(1, 2), offs=offsets)  # [A, D]
+

@@ -1,0 +1,12 @@
+"""RMSNorm as the reference implementations compute it: statistics in float32."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x: [..., D]`` normalised over its last dim, then scaled by ``weight: [D]``."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)

@@ -1,0 +1,334 @@
+"""Model configs parsed from a Hugging Face ``config.json``.
+
+One frozen :class:`ModelConfig` describes every supported architecture; the differences
+are data (enums and sizes), not subclasses, so the model code has one path per concept:
+
+- attention: grouped-query (:attr:`AttentionKind.GQA`) or DeepSeek's latent attention (MLA);
+- q/k norms: none, per head (Qwen3-MoE) or over the whole projection (OLMoE);
+- gating: :class:`raymoe.moe.gating.GateConfig` (softmax or sigmoid scores, top-k
+  renormalisation, grouped top-k, correction bias, routed scaling factor);
+- shared experts: none, plain (DeepSeek-V3) or sigmoid-gated (Qwen2-MoE);
+- which layers are MoE (``moe_layers``) and which keep a dense MLP.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from raymoe.moe.gating import GateConfig, ScoringFunction
+
+
+class Architecture(enum.Enum):
+    MIXTRAL = "MixtralForCausalLM"
+    QWEN2_MOE = "Qwen2MoeForCausalLM"
+    QWEN3_MOE = "Qwen3MoeForCausalLM"
+    OLMOE = "OlmoeForCausalLM"
+    DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
+
+
+class AttentionKind(enum.Enum):
+    GQA = "gqa"
+    MLA = "mla"
+
+
+class QKNorm(enum.Enum):
+    NONE = "none"
+    PER_HEAD = "per_head"  # RMSNorm over head_dim (Qwen3-MoE)
+    FULL = "full"  # RMSNorm over the whole projection (OLMoE)
+
+
+class SharedExpertKind(enum.Enum):
+    NONE = "none"
+    PLAIN = "plain"  # added as is (DeepSeek-V3)
+    SIGMOID_GATED = "sigmoid_gated"  # scaled by sigmoid(x @ gate) (Qwen2-MoE)
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint uses an architecture or a field value raymoe cannot serve."""
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rotary_dim: int  # dimensions rotated per head
+    rope_type: str = "default"  # default | linear | yarn
+    factor: float = 1.0
+    original_max_position: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: Architecture
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # q/k/v head size for GQA; qk head size for MLA
+    v_head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    attention: AttentionKind
+    attention_bias: bool
+    qk_norm: QKNorm
+    clip_qkv: float | None
+    sliding_window: int | None
+    mla: MLAConfig | None
+    tie_word_embeddings: bool
+    dense_intermediate_size: int
+    moe_layers: tuple[int, ...]  # model layer indices with routed experts
+    num_experts: int
+    moe_intermediate_size: int
+    gate: GateConfig
+    shared_expert: SharedExpertKind
+    shared_intermediate_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    dtype: str  # as written in the checkpoint: float32 | bfloat16 | float16
+
+    @property
+    def top_k(self) -> int:
+        return self.gate.top_k
+
+    @property
+    def attention_scale(self) -> float:
+        scale = self.head_dim ** -0.5
+        if self.rope.rope_type == "yarn" and self.rope.mscale_all_dim:
+            mscale = yarn_get_mscale(self.rope.factor, self.rope.mscale_all_dim)
+            scale *= mscale * mscale
+        return scale
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    def moe_index(self, layer: int) -> int:
+        """Position of model layer ``layer`` among the MoE layers (placement tables index this)."""
+        return self.moe_layers.index(layer)
+
+
+def yarn_get_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def load_model_config(model_dir: str) -> ModelConfig:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} not found: a model directory needs a Hugging Face config.json "
+            "(write a demo one with `raymoe demo-model DIR`)"
+        )
+    with open(path, encoding="utf-8") as handle:
+        return parse_model_config(json.load(handle))
+
+
+def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
+    """Parse a ``config.json`` dict; unsupported architectures or values raise clearly."""
+    names = raw.get("architectures") or []
+    supported = {a.value: a for a in Architecture}
+    matches = [supported[n] for n in names if n in supported]
+    if not matches:
+        raise UnsupportedModelError(
+            f"unsupported architecture {names or raw.get('model_type')!r}; raymoe serves "
+            f"{sorted(supported)}"
+        )
+    arch = matches[0]
+    reader = _FieldReader(raw, arch)
+    act = reader.optional("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"{arch.value}: hidden_act={act!r} is not supported (only 'silu')")
+    num_layers = reader.required("num_hidden_layers")
+    hidden = reader.required("hidden_size")
+    num_heads = reader.required("num_attention_heads")
+    num_kv_heads = reader.optional("num_key_value_heads", num_heads) or num_heads
+    if num_heads % num_kv_heads:
+        raise UnsupportedModelError(
+            f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+        )
+    head_dim = reader.optional("head_dim", None) or hidden // num_heads
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+    common: dict[str, Any] = dict(
+        architecture=arch,
+        vocab_size=reader.required("vocab_size"),
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        rms_norm_eps=float(reader.optional("rms_norm_eps", 1e-6)),
+        max_position_embeddings=reader.required("max_position_embeddings"),
+        attention_bias=bool(reader.optional("attention_bias", False)),
+        qk_norm=QKNorm.NONE,
+        clip_qkv=None,
+        sliding_window=None,
+        mla=None,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        dense_intermediate_size=int(raw.get("intermediate_size") or 0),
+        eos_token_ids=tuple(e for e in eos_ids if 0 <= e < int(raw["vocab_size"])),
+        bos_token_id=raw.get("bos_token_id"),
+        dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        shared_expert=SharedExpertKind.NONE,
+        shared_intermediate_size=0,
+        attention=AttentionKind.GQA,
+        head_dim=head_dim,
+        v_head_dim=head_dim,
+    )
+    if arch is Architecture.MIXTRAL:
+        num_experts = reader.required("num_local_experts")
+        common.update(
+            num_experts=num_experts,
+            moe_intermediate_size=reader.required("intermediate_size"),
+            moe_layers=tuple(range(num_layers)),
+            gate=GateConfig(ScoringFunction.SOFTMAX, num_experts, reader.required("num_experts_per_tok"), True),
+            sliding_window=raw.get("sliding_window") or None,
+        )
+    elif arch in (Architecture.QWEN2_MOE, Architecture.QWEN3_MOE):
+        num_experts = raw.get("num_experts") or reader.required("num_local_experts")
+        step = int(raw.get("decoder_sparse_step", 1) or 1)
+        dense_only = set(raw.get("mlp_only_layers") or [])
+        common.update(
+            num_experts=num_experts,
+            moe_intermediate_size=reader.required("moe_intermediate_size"),
+            moe_layers=tuple(
+                i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0
+            ),
+            gate=GateConfig(
+                ScoringFunction.SOFTMAX, num_experts, reader.required("num_experts_per_tok"),
+                bool(raw.get("norm_topk_prob", False)),
+            ),
+        )
+        if raw.get("use_sliding_window"):
+            raise UnsupportedModelError(f"{arch.value}: use_sliding_window=true is not supported")
+        if arch is Architecture.QWEN2_MOE:
+            common.update(attention_bias=bool(raw.get("qkv_bias", True)))
+            shared = int(raw.get("shared_expert_intermediate_size") or 0)
+            if shared:
+                common.update(shared_expert=SharedExpertKind.SIGMOID_GATED, shared_intermediate_size=shared)
+        else:
+            common.update(qk_norm=QKNorm.PER_HEAD)
+    elif arch is Architecture.OLMOE:
+        num_experts = reader.required("num_experts")
+        common.update(
+            num_experts=num_experts,
+            moe_intermediate_size=reader.required("intermediate_size"),
+            moe_layers=tuple(range(num_layers)),
+            gate=GateConfig(
+                ScoringFunction.SOFTMAX, num_experts, reader.required("num_experts_per_tok"),
+                bool(raw.get("norm_topk_prob", False)),
+            ),
+            qk_norm=QKNorm.FULL,
+            clip_qkv=raw.get("clip_qkv"),
+        )
+    else:  # DeepSeek-V3
+        common.update(_deepseek_fields(raw, reader, num_layers))
+    common["rope"] = _rope_config(raw, arch, common)
+    return ModelConfig(**common)
+
+
+def _deepseek_fields(raw: dict[str, Any], reader: "_FieldReader", num_layers: int) -> dict[str, Any]:
+    num_experts = raw.get("n_routed_experts") or reader.required("num_local_experts")
+    scoring = raw.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise UnsupportedModelError(f"DeepseekV3ForCausalLM: scoring_func={scoring!r} is not supported")
+    topk_method = raw.get("topk_method", "noaux_tc")
+    if topk_method != "noaux_tc":
+        raise UnsupportedModelError(f"DeepseekV3ForCausalLM: topk_method={topk_method!r} is not supported")
+    mla = MLAConfig(
+        q_lora_rank=raw.get("q_lora_rank"),
+        kv_lora_rank=reader.required("kv_lora_rank"),
+        qk_nope_head_dim=reader.required("qk_nope_head_dim"),
+        qk_rope_head_dim=reader.required("qk_rope_head_dim"),
+        v_head_dim=reader.required("v_head_dim"),
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+    )
+    first_dense = int(raw.get("first_k_dense_replace", 0) or 0)
+    step = int(raw.get("moe_layer_freq", 1) or 1)
+    num_shared = int(raw.get("n_shared_experts") or 0)
+    moe_size = reader.required("moe_intermediate_size")
+    gate = GateConfig(
+        ScoringFunction.SIGMOID,
+        num_experts,
+        reader.required("num_experts_per_tok"),
+        bool(raw.get("norm_topk_prob", True)),
+        num_groups=int(raw.get("n_group") or 1),
+        topk_groups=int(raw.get("topk_group") or 1),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        has_correction_bias=True,
+    )
+    return dict(
+        attention=AttentionKind.MLA,
+        num_kv_heads=raw["num_attention_heads"],  # MLA expands the latent to every head
+        mla=mla,
+        head_dim=mla.qk_head_dim,
+        v_head_dim=mla.v_head_dim,
+        num_experts=num_experts,
+        moe_intermediate_size=moe_size,
+        moe_layers=tuple(i for i in range(first_dense, num_layers) if i % step == 0),
+        gate=gate,
+        shared_expert=SharedExpertKind.PLAIN if num_shared else SharedExpertKind.NONE,
+        shared_intermediate_size=moe_size * num_shared,
+    )
+
+
+def _rope_config(raw: dict[str, Any], arch: Architecture, fields: dict[str, Any]) -> RopeConfig:
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    rotary_dim = fields["mla"].qk_rope_head_dim if fields["mla"] else fields["head_dim"]
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError(f"{arch.value}: partial_rotary_factor != 1 is not supported")
+    if rope_type not in ("default", "linear", "yarn"):
+        raise UnsupportedModelError(
+            f"{arch.value}: rope type {rope_type!r} is not supported (default, linear, yarn)"
+        )
+    return RopeConfig(
+        theta=theta,
+        rotary_dim=rotary_dim,
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        original_max_position=int(
+            params.get("original_max_position_embeddings") or raw["max_position_embeddings"]
+        ),
+        beta_fast=float(params.get("beta_fast", 32.0)),
+        beta_slow=float(params.get("beta_slow", 1.0)),
+        mscale=float(params.get("mscale", 1.0)),
+        mscale_all_dim=float(params.get("mscale_all_dim", 0.0) or 0.0),
+    )
+
+
+class _FieldReader:
+    def __init__(self, raw: dict[str, Any], arch: Architecture):
+        self.raw = raw
+        self.arch = arch
+
+    def required(self, name: str) -> Any:
+        if self.raw.get(name) is None:
+            raise UnsupportedModelError(f"{self.arch.value}: config.json lacks required field {name!r}")
+        return self.raw[name]
+
+    def optional(self, name: str, default: Any) -> Any:
+        value = self.raw.get(name)
+        return default if value is None else value
