@@ -1,0 +1,104 @@
+"""Choosing a communicator backend and building one rank's communicator.
+
+Two steps, because ranks live in different processes (Ray actors):
+  1. once, `new_rendezvous(backend, ...)` makes a small picklable object that names the
+     group (gloo: rank 0's host and port; NCCL: the unique id). For NCCL, call it in rank
+     0's process: NCCL's bootstrap root runs in the process that made the id.
+  2. every rank, `make_communicator(backend, rendezvous, rank=..., ...)` joins the group.
+`CommBackend.AUTO` is resolved where the rendezvous is made and carried by it, so that
+ranks on different machines cannot resolve it differently.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from raymoe.kernels.comm.base import Communicator
+
+
+class CommBackend(enum.Enum):
+    AUTO = "auto"  # NCCL when CUDA is available, else gloo
+    NCCL = "nccl"
+    GLOO = "gloo"
+
+    def resolve(self) -> "CommBackend":
+        if self is CommBackend.AUTO:
+            return CommBackend.NCCL if torch.cuda.is_available() else CommBackend.GLOO
+        return self
+
+
+@dataclass(frozen=True)
+class GlooRendezvous:
+    host: str  # where rank 0 serves the rendezvous store
+    port: int
+    group_name: str = "raymoe"
+
+
+@dataclass(frozen=True)
+class NcclRendezvous:
+    unique_id: tuple[int, ...]  # from nccl_unique_id(), 128 ints
+
+
+RENDEZVOUS_TYPES = {CommBackend.GLOO: GlooRendezvous, CommBackend.NCCL: NcclRendezvous}
+
+
+def new_rendezvous(
+    backend: CommBackend,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    group_name: str = "raymoe",
+) -> GlooRendezvous | NcclRendezvous:
+    """A fresh rendezvous for a new group. Call it where rank 0 runs.
+
+    gloo: `host` must be rank 0's address as the other ranks reach it; `port` defaults to
+    a port that is free on this machine now. NCCL: host and port are not used.
+    """
+    backend = backend.resolve()
+    if backend is CommBackend.NCCL:
+        from raymoe.kernels.comm.nccl import nccl_unique_id
+
+        return NcclRendezvous(nccl_unique_id())
+    return GlooRendezvous(host, free_port(host) if port is None else port, group_name)
+
+
+def make_communicator(
+    backend: CommBackend,
+    rendezvous: GlooRendezvous | NcclRendezvous,
+    *,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    device: torch.device | int | None = None,
+) -> Communicator:
+    """Joins the group named by `rendezvous` as `rank`; blocks until all ranks joined.
+
+    device: the GPU of an NCCL rank (torch's current device by default); unused by gloo.
+    """
+    backend = backend.resolve()
+    expected_type = RENDEZVOUS_TYPES[backend]
+    if not isinstance(rendezvous, expected_type):
+        raise TypeError(
+            f"backend {backend.value} needs a {expected_type.__name__}, got {type(rendezvous).__name__}; "
+            f"were the rendezvous and this rank's backend resolved on different machines?"
+        )
+    if backend is CommBackend.NCCL:
+        from raymoe.kernels.comm.nccl import NcclCommunicator
+
+        return NcclCommunicator.create(rank, world_size, rendezvous.unique_id, timeout_s, device=device)
+    from raymoe.kernels.comm.gloo import GlooCommunicator
+
+    return GlooCommunicator.create(
+        rank, world_size, rendezvous.host, rendezvous.port, timeout_s, group_name=rendezvous.group_name
+    )
+
+
+def free_port(host: str) -> int:
+    """A TCP port that was free on `host` (this machine) a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]

@@ -1,0 +1,264 @@
+"""GlooCommunicator against a plain reference, with real ranks in spawned processes.
+
+Each table case is a counts matrix counts[source][destination] (rows `source` sends to
+`destination`), a dtype and a row shape. Every rank builds its inputs from a seed, so the
+test process can rebuild all ranks' inputs and compute each rank's expected output.
+One group of processes per world size runs the whole table (spawning is the slow part).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import zlib
+
+import pytest
+import torch
+
+from comm_harness import free_port, run_ranks, values
+from raymoe.kernels.comm import (
+    CollectiveMismatch,
+    CollectiveTimeout,
+    CommClosedError,
+    CommError,
+    Communicator,
+    GlooCommunicator,
+    PeerLostError,
+)
+
+HOST = "127.0.0.1"
+TIMEOUT_S = 2.0
+DETECTION_SLACK_S = 1.5  # a timeout must be raised within TIMEOUT_S + this
+
+COUNT_PATTERNS = {
+    2: {
+        "even": [[2, 2], [2, 2]],
+        "uneven_with_zeros": [[0, 3], [1, 0]],
+        "rank1_sends_nothing": [[3, 2], [0, 0]],
+    },
+    3: {
+        "uneven": [[1, 2, 3], [4, 0, 1], [0, 5, 2]],
+        "rank2_sends_nothing": [[2, 0, 1], [1, 1, 3], [0, 0, 0]],
+        "all_zero": [[0, 0, 0], [0, 0, 0], [0, 0, 0]],
+    },
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64}
+ROW_SHAPES = {"scalar": (), "H4": (4,)}
+
+
+def table(world_size: int) -> list[tuple[str, list[list[int]], torch.dtype, tuple[int, ...]]]:
+    return [
+        (f"w{world_size}-{pattern}-{dtype_name}-{shape_name}", counts, dtype, row_shape)
+        for pattern, counts in COUNT_PATTERNS[world_size].items()
+        for dtype_name, dtype in DTYPES.items()
+        for shape_name, row_shape in ROW_SHAPES.items()
+    ]
+
+
+def make_input(case_id: str, source: int, counts, dtype, row_shape) -> torch.Tensor:
+    """Rank `source`'s send buffer: [sum(counts[source]), *row_shape], random per case and rank."""
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{case_id}/{source}".encode()))
+    shape = (sum(counts[source]), *row_shape)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    return torch.randint(-(2**40), 2**40, shape, generator=generator, dtype=dtype)
+
+
+def reference_output(case_id: str, destination: int, counts, dtype, row_shape) -> torch.Tensor:
+    """What `destination` must receive: from each source in rank order, that source's rows for it."""
+    pieces = []
+    for source in range(len(counts)):
+        start = sum(counts[source][:destination])
+        rows = make_input(case_id, source, counts, dtype, row_shape)
+        pieces.append(rows[start : start + counts[source][destination]])
+    return torch.cat(pieces)
+
+
+def run_table(rank: int, world_size: int, port: int) -> dict:
+    """Rank program: the whole table, then barrier, close, and a call after close."""
+    comm = GlooCommunicator.create(rank, world_size, HOST, port, TIMEOUT_S, group_name="table")
+    outputs = {}
+    for case_id, counts, dtype, row_shape in table(world_size):
+        send_counts = torch.tensor(counts[rank], dtype=torch.int64)
+        recv_counts = comm.exchange_counts(send_counts, tag=f"{case_id} counts")
+        send = make_input(case_id, rank, counts, dtype, row_shape)
+        received = comm.exchange_payload(
+            send, counts[rank], recv_counts.tolist(), tag=f"{case_id} payload"
+        )
+        outputs[case_id] = (recv_counts, received)
+    comm.barrier(tag="end of table")
+    comm.close()
+    comm.close()  # idempotent
+    closed_errors = []
+    for call in (
+        lambda: comm.exchange_counts(torch.zeros(world_size, dtype=torch.int64), tag="after close"),
+        lambda: comm.exchange_payload(torch.zeros(0), [0] * world_size, [0] * world_size, tag="after close"),
+        lambda: comm.barrier(tag="after close"),
+    ):
+        try:
+            call()
+            closed_errors.append(None)
+        except CommClosedError as error:
+            closed_errors.append(str(error))
+    return {"outputs": outputs, "closed_errors": closed_errors, "is_communicator": isinstance(comm, Communicator)}
+
+
+@pytest.fixture(scope="module")
+def table_results() -> dict[int, list[dict]]:
+    return {
+        world_size: values(run_ranks(run_table, world_size, (free_port(),), timeout_s=90))
+        for world_size in COUNT_PATTERNS
+    }
+
+
+@pytest.mark.parametrize(
+    "world_size,case_id,counts,dtype,row_shape",
+    [(world_size, *case) for world_size in COUNT_PATTERNS for case in table(world_size)],
+    ids=[case[0] for world_size in COUNT_PATTERNS for case in table(world_size)],
+)
+def test_exchange_matches_reference(table_results, world_size, case_id, counts, dtype, row_shape):
+    for rank, result in enumerate(table_results[world_size]):
+        recv_counts, received = result["outputs"][case_id]
+        expected_counts = [counts[source][rank] for source in range(world_size)]
+        assert recv_counts.dtype == torch.int64 and recv_counts.tolist() == expected_counts
+        expected = reference_output(case_id, rank, counts, dtype, row_shape)
+        assert received.dtype == dtype and received.shape == expected.shape, case_id
+        assert torch.equal(received, expected), f"{case_id}: rank {rank} got wrong rows"
+
+
+@pytest.mark.parametrize("world_size", sorted(COUNT_PATTERNS))
+def test_satisfies_protocol_and_closed_calls_raise(table_results, world_size):
+    for result in table_results[world_size]:
+        assert result["is_communicator"]
+        assert len(result["closed_errors"]) == 3
+        for message in result["closed_errors"]:
+            assert message is not None and "after close" in message
+
+
+def stalled_peer(rank: int, world_size: int, port: int, rebuild_port: int, mode: str) -> dict:
+    """Rank program: rank 2 stalls (stops itself, or skips the collective); the others must
+    time out naming rank 2, abort, and rebuild a two-rank group that works."""
+    comm = GlooCommunicator.create(rank, world_size, HOST, port, TIMEOUT_S, group_name="stalled")
+    comm.barrier(tag="warm up")
+    if rank == 2:
+        if mode == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)  # the harness kills it later
+        time.sleep(TIMEOUT_S + 3.0)
+        return {}
+    send = torch.arange(6, dtype=torch.float32).reshape(3, 2) + 10 * rank
+    started = time.monotonic()
+    try:
+        comm.exchange_payload(send, [1, 1, 1], [1, 1, 1], tag="layer 3 dispatch")
+        return {"error": None}
+    except CollectiveTimeout as error:
+        elapsed = time.monotonic() - started
+        caught = {"peer": error.peer, "tag": error.tag, "timeout_s": error.timeout_s, "message": str(error)}
+    comm.abort()
+    comm.abort()  # idempotent
+    try:
+        comm.barrier(tag="after abort")
+        after_abort = None
+    except CommClosedError as error:
+        after_abort = str(error)
+    rebuilt = GlooCommunicator.create(rank, 2, HOST, rebuild_port, TIMEOUT_S, group_name="rebuilt")
+    recv_counts = rebuilt.exchange_counts(torch.tensor([1, 2], dtype=torch.int64), tag="rebuilt counts")
+    received = rebuilt.exchange_payload(send, [1, 2], recv_counts.tolist(), tag="rebuilt payload")
+    rebuilt.close()
+    return {"error": caught, "elapsed": elapsed, "after_abort": after_abort, "received": received}
+
+
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_stalled_peer_times_out_naming_it_then_rebuild_works(mode):
+    outcome = run_ranks(
+        stalled_peer, 3, (free_port(), free_port(), mode), timeout_s=60,
+        silent_ranks=(2,) if mode == "stop" else (),
+    )
+    survivors = values(outcome[:2])
+    for rank, result in enumerate(survivors):
+        error = result["error"]
+        assert error is not None, f"rank {rank} did not time out"
+        assert error["peer"] == 2 and error["tag"] == "layer 3 dispatch" and error["timeout_s"] == TIMEOUT_S
+        assert "'layer 3 dispatch'" in error["message"] and "rank 2 (of 3)" in error["message"]
+        assert "abort()" in error["message"]
+        assert TIMEOUT_S - 0.1 <= result["elapsed"] <= TIMEOUT_S + DETECTION_SLACK_S, result["elapsed"]
+        assert result["after_abort"] is not None and "after abort" in result["after_abort"]
+    # The rebuilt group of ranks 0 and 1: rank 0 sends 1 row to itself, 2 to rank 1; rank 1 likewise.
+    send0 = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+    send1 = send0 + 10
+    assert torch.equal(survivors[0]["received"], torch.cat([send0[:1], send1[:1]]))
+    assert torch.equal(survivors[1]["received"], torch.cat([send0[1:], send1[1:]]))
+    for result in outcome[:2]:
+        assert result.exit_code == 0, f"rank {result.rank} did not exit cleanly (hung or crashed)"
+
+
+def mismatched_tags(rank: int, world_size: int, port: int) -> str | None:
+    """Rank program: the ranks' programs diverged: they enter different collectives."""
+    comm = GlooCommunicator.create(rank, world_size, HOST, port, TIMEOUT_S, group_name="mismatch")
+    tag = "layer 3 dispatch" if rank == 0 else "layer 3 combine"
+    try:
+        comm.exchange_counts(torch.ones(world_size, dtype=torch.int64), tag=tag)
+    except CollectiveMismatch as error:
+        return f"{error.peer}|{error}"
+    finally:
+        comm.abort()
+    return None
+
+
+def test_ranks_in_different_collectives_raise_mismatch():
+    messages = values(run_ranks(mismatched_tags, 2, (free_port(),), timeout_s=60))
+    assert messages[0] is not None and messages[0].startswith("1|") and "'layer 3 dispatch'" in messages[0]
+    assert messages[1] is not None and messages[1].startswith("0|") and "'layer 3 combine'" in messages[1]
+
+
+def dying_peer(rank: int, world_size: int, port: int) -> dict:
+    """Rank program: rank 1 dies after joining; rank 0 must name it well before the deadline."""
+    comm = GlooCommunicator.create(rank, world_size, HOST, port, TIMEOUT_S * 5, group_name="dying")
+    comm.barrier(tag="warm up")
+    if rank == 1:
+        os._exit(17)
+    started = time.monotonic()
+    try:
+        comm.exchange_counts(torch.ones(world_size, dtype=torch.int64), tag="layer 5 combine")
+        return {"error": None}
+    except PeerLostError as error:
+        return {"peer": error.peer, "message": str(error), "elapsed": time.monotonic() - started}
+    finally:
+        comm.abort()
+
+
+def test_dead_peer_raises_peer_lost_naming_it():
+    outcome = run_ranks(dying_peer, 2, (free_port(),), timeout_s=60, silent_ranks=(1,))
+    result = values(outcome[:1])[0]
+    assert result.get("peer") == 1, result
+    assert "'layer 5 combine'" in result["message"] and "rank 1 (of 2)" in result["message"]
+    assert result["elapsed"] < TIMEOUT_S * 5  # detected from the closed connection, not the deadline
+
+
+def test_join_without_peers_fails_within_timeout():
+    started = time.monotonic()
+    with pytest.raises(CommError, match="could not join gloo group 'lonely' of 2 ranks"):
+        GlooCommunicator.create(0, 2, HOST, free_port(), 1.0, group_name="lonely")
+    assert time.monotonic() - started < 1.0 + DETECTION_SLACK_S
+
+
+def test_single_rank_validates_inputs_and_sends_to_itself():
+    comm = GlooCommunicator.create(0, 1, HOST, free_port(), TIMEOUT_S, group_name="single")
+    send = torch.arange(8, dtype=torch.bfloat16).reshape(4, 2)
+    assert torch.equal(comm.exchange_payload(send, [4], [4], tag="self"), send)
+    assert comm.exchange_counts(torch.tensor([4]), tag="self counts").tolist() == [4]
+    with pytest.raises(CommError, match="send has 4 rows but send_counts sum to 3"):
+        comm.exchange_payload(send, [3], [3], tag="bad rows")
+    with pytest.raises(CommError, match="expected one per rank"):
+        comm.exchange_payload(send, [2, 2], [4], tag="bad length")
+    with pytest.raises(CommError, match="non-negative"):
+        comm.exchange_counts(torch.tensor([-1]), tag="negative")
+    comm.close()
+    with pytest.raises(CommClosedError, match="'closed call'"):
+        comm.exchange_payload(send, [4], [4], tag="closed call")
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.0, float("inf"), "2"])
+def test_rejects_a_missing_deadline(timeout_s):
+    with pytest.raises(ValueError, match="timeout_s"):
+        GlooCommunicator.create(0, 1, HOST, free_port(), timeout_s)
