@@ -1,10 +1,302 @@
-"""`raymoe plan`: placement planning, simulation and cost model (filled in by issue 5)."""
+"""`raymoe plan`: placement planning, routing simulation and the cost model.
+
+    raymoe plan payload  --tokens N --top-k K --hidden H --bytes-per-value S --ranks R
+    raymoe plan balance  --load LOAD.json --workers W --slots-per-worker S [--current CUR.json]
+    raymoe plan simulate --experts E --workers W --slots-per-worker S [--traffic zipf] [--plot F.png]
+    raymoe plan memory   --model DIR|PRESET --gpus G [--redundant D]
+
+Every subcommand prints tables, or one JSON object with ``--json``. LOAD.json is
+``{"load": [[per-expert load] per layer]}``; a placement's ``placement`` is, per layer,
+the logical expert of each physical slot, slot ``s`` on worker ``s // S``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_MIB = 1 << 20
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("plan", help="plan expert placement and estimate costs")
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
+    commands = parser.add_subparsers(dest="plan_command", metavar="PLAN_COMMAND")
+    _add_payload(commands)
+    _add_balance(commands)
+    _add_simulate(commands)
+    _add_memory(commands)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _emit(args: argparse.Namespace, result: dict[str, Any], rows: list[tuple[str, Any]]) -> int:
+    if args.json:
+        json.dump(result, sys.stdout, indent=None)
+        sys.stdout.write("\n")
+        return 0
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+        print(f"{name:<{width}}  {shown}")
+    return 0
+
+
+# ---- payload ---------------------------------------------------------------------------
+def _add_payload(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("payload", help="dispatch/combine bytes of one MoE layer")
+    parser.add_argument("--tokens", type=int, required=True)
+    parser.add_argument("--top-k", type=int, required=True)
+    parser.add_argument("--hidden", type=int, required=True)
+    parser.add_argument("--bytes-per-value", type=int, default=2)
+    parser.add_argument("--ranks", type=int, required=True)
+    _common(parser)
+    parser.set_defaults(func=_run_payload)
+
+
+def _run_payload(args: argparse.Namespace) -> int:
+    from raymoe.moe.cost_model import payload_bytes
+
+    estimate = payload_bytes(args.tokens, args.top_k, args.hidden, args.bytes_per_value, args.ranks)
+    rows = [
+        ("dispatch", f"{estimate.dispatch_bytes} B ({estimate.dispatch_bytes / _MIB:g} MiB)"),
+        ("combine", f"{estimate.combine_bytes} B ({estimate.combine_bytes / _MIB:g} MiB)"),
+        ("remote fraction", estimate.remote_fraction),
+        ("remote (both)", f"{estimate.remote_bytes:.0f} B ({estimate.remote_bytes / _MIB:g} MiB)"),
+    ]
+    return _emit(args, estimate.to_dict(), rows)
+
+
+# ---- balance ---------------------------------------------------------------------------
+def _add_balance(commands: argparse._SubParsersAction) -> None:
+    from raymoe.moe.balancer import BalancerAlgorithm
+
+    parser = commands.add_parser("balance", help="plan a placement from a load matrix")
+    parser.add_argument("--load", type=Path, required=True, help='JSON: {"load": [[...] per layer]}')
+    parser.add_argument("--workers", type=int, required=True)
+    parser.add_argument("--slots-per-worker", type=int, required=True)
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--groups", type=int, default=1, help="expert groups (hierarchical)")
+    parser.add_argument("--current", type=Path, help='JSON with the placement in service: {"placement": ...}')
+    parser.add_argument(
+        "--algorithm",
+        choices=[a.value for a in BalancerAlgorithm],
+        help="default: migration with --current, hierarchical with --groups > 1, else global",
+    )
+    parser.add_argument("--max-copies-per-layer", type=int, help="migration budget")
+    parser.add_argument("--tolerance", type=float, default=0.02, help="migration: slack over the optimum's max/mean")
+    parser.add_argument("--assignments-per-step", type=float, help="activated: decode tokens per step x top-k")
+    _common(parser)
+    parser.set_defaults(func=_run_balance)
+
+
+def read_placement(path: Path, num_experts: int, slots_per_worker: int, worker2node: np.ndarray):
+    """A placement JSON: ``{"placement": [[...]]}`` or a PlacementTable dict (``phy2log``)."""
+    from raymoe.moe.placement import PlacementTable
+
+    data = json.loads(path.read_text())
+    if "phy2log" in data:
+        return PlacementTable.from_dict(data)
+    if "placement" not in data:
+        raise ValueError(f"{path}: expected a 'placement' (or 'phy2log') key")
+    return PlacementTable.from_phy2log(
+        data["placement"], slots_per_worker, num_experts, worker2node, int(data.get("epoch", 0))
+    )
+
+
+def _run_balance(args: argparse.Namespace) -> int:
+    from raymoe.moe.balance_global import worker_to_node
+    from raymoe.moe.balancer import BalancerAlgorithm, plan_placement
+    from raymoe.moe.simulator import load_from_telemetry
+
+    load = load_from_telemetry(json.loads(args.load.read_text()))
+    worker2node = worker_to_node(args.workers, args.nodes)
+    current = None
+    if args.current is not None:
+        current = read_placement(args.current, load.shape[1], args.slots_per_worker, worker2node)
+    if args.algorithm:
+        algorithm = BalancerAlgorithm(args.algorithm)
+    elif current is not None:
+        algorithm = BalancerAlgorithm.MIGRATION
+    else:
+        algorithm = BalancerAlgorithm.HIERARCHICAL if args.groups > 1 else BalancerAlgorithm.GLOBAL
+    result = plan_placement(
+        load,
+        args.workers,
+        args.slots_per_worker,
+        algorithm,
+        num_nodes=args.nodes,
+        num_groups=args.groups,
+        current=current,
+        max_copies_per_layer=args.max_copies_per_layer,
+        tolerance=args.tolerance,
+        assignments_per_step=args.assignments_per_step,
+    )
+    copies = None if result.migration is None else result.migration.num_copies
+    output = {
+        "algorithm": algorithm.value,
+        "placement": result.placement.phy2log.tolist(),
+        "slots_per_worker": args.slots_per_worker,
+        "worker2node": result.placement.worker2node.tolist(),
+        "epoch": result.placement.epoch,
+        "balancedness": result.balancedness,
+        "max_over_mean": result.imbalance,
+        "copies": copies,
+        "migration": [] if result.migration is None else result.migration.to_list(),
+    }
+    rows = [("algorithm", algorithm.value), ("balancedness", result.balancedness), ("max/mean", result.imbalance)]
+    rows.append(("copies", "n/a (no --current)" if copies is None else copies))
+    for layer, row in enumerate(result.placement.phy2log):
+        workers = row.reshape(args.workers, args.slots_per_worker)
+        rows.append((f"layer {layer}", " | ".join(" ".join(str(e) for e in w) for w in workers)))
+    return _emit(args, output, rows)
+
+
+# ---- simulate --------------------------------------------------------------------------
+def _add_simulate(commands: argparse._SubParsersAction) -> None:
+    from raymoe.moe.balancer import BalancerAlgorithm
+    from raymoe.moe.traffic import TrafficKind
+
+    parser = commands.add_parser("simulate", help="route synthetic or recorded traffic, before/after balancing")
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--slots-per-worker", type=int, default=9)
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--traffic", choices=[k.value for k in TrafficKind], default="zipf")
+    parser.add_argument("--zipf-s", type=float, default=1.2)
+    parser.add_argument("--num-hot", type=int, default=2)
+    parser.add_argument("--hot-fraction", type=float, default=0.5)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--bytes-per-value", type=int, default=2)
+    parser.add_argument("--capacity-factor", type=float)
+    parser.add_argument("--algorithm", choices=[a.value for a in BalancerAlgorithm if a.value != "migration"], default="global")
+    parser.add_argument("--load", type=Path, help="replay recorded loads instead of synthetic traffic")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", type=Path, help="write per-worker load bars (PNG)")
+    parser.add_argument("--plot-layer", type=int, default=0, help="the layer to draw")
+    _common(parser)
+    parser.set_defaults(func=_run_simulate)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from raymoe.moe.balance_global import worker_to_node
+    from raymoe.moe.balancer import BalancerAlgorithm, plan_placement
+    from raymoe.moe.placement import PlacementTable
+    from raymoe.moe.simulator import load_from_telemetry, replay_load, simulate_routing
+    from raymoe.moe.traffic import TrafficSpec, popularity, routing_to_load, sample_routing
+
+    rng = np.random.default_rng(args.seed)
+    worker2node = worker_to_node(args.workers, args.nodes)
+    # Step 1: a history to balance on, and a fresh batch to evaluate both placements on.
+    if args.load is not None:
+        history = load_from_telemetry(json.loads(args.load.read_text()))
+        topk_ids = None
+    else:
+        spec = TrafficSpec(args.traffic, zipf_s=args.zipf_s, num_hot=args.num_hot, hot_fraction=args.hot_fraction)
+        probabilities = popularity(spec, args.layers, args.experts, rng)
+        history = routing_to_load(sample_routing(probabilities, args.tokens, args.top_k, rng), args.experts)
+        topk_ids = sample_routing(probabilities, args.tokens, args.top_k, rng)
+    num_layers, num_experts = history.shape
+    num_slots = args.workers * args.slots_per_worker
+    # Step 2: before = experts laid out in order, extra slots repeating from expert 0.
+    linear = np.tile(np.arange(num_slots) % num_experts, (num_layers, 1))
+    before = PlacementTable.from_phy2log(linear, args.slots_per_worker, num_experts, worker2node)
+    after = plan_placement(
+        history, args.workers, args.slots_per_worker, BalancerAlgorithm(args.algorithm),
+        num_nodes=args.nodes, assignments_per_step=float(args.tokens * args.top_k),
+    ).placement
+    # Step 3: evaluate.
+    results = {}
+    for name, table in (("before", before), ("after", after)):
+        if topk_ids is None:
+            results[name] = replay_load(history, table, args.capacity_factor)
+        else:
+            results[name] = simulate_routing(
+                topk_ids, table, args.hidden, args.bytes_per_value, args.capacity_factor
+            ).to_dict()
+    if args.plot is not None:
+        plot_worker_loads(
+            args.plot,
+            results["before"]["assignments_per_worker"],
+            results["after"]["assignments_per_worker"],
+            args.algorithm,
+            args.plot_layer,
+        )
+    rows = []
+    for key in results["after"]:
+        if key != "assignments_per_worker":
+            rows.append((f"{key} (before -> after)", f"{_short(results['before'].get(key))} -> {_short(results['after'][key])}"))
+    if args.plot is not None:
+        rows.append(("plot", str(args.plot)))
+    return _emit(args, {"before": results["before"], "after": results["after"], "placement": after.phy2log.tolist()}, rows)
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def plot_worker_loads(path: Path, before: list, after: list, label: str, layer: int = 0) -> None:
+    """Bars of one layer's per-worker load, before and after balancing, with the mean line.
+
+    before, after: [L, W] assignments per worker."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    before_load = np.asarray(before, dtype=np.float64)
+    after_load = np.asarray(after, dtype=np.float64)
+    workers = np.arange(before_load.shape[1])
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for axis, loads, title in ((axes[0], before_load, "before (experts in order)"), (axes[1], after_load, f"after ({label})")):
+        row = loads[layer]
+        mean = row.mean()
+        axis.bar(workers, row, color="tab:blue" if axis is axes[1] else "tab:gray")
+        axis.axhline(mean, color="black", linestyle="--", label=f"mean {mean:.0f}")
+        axis.set_title(f"{title}\nlayer {layer}: max/mean = {row.max() / mean:.2f}" if mean else title)
+        axis.set_xlabel("worker")
+        axis.legend()
+    axes[0].set_ylabel("assignments (tokens x top-k) per worker")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+# ---- memory ----------------------------------------------------------------------------
+def _add_memory(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("memory", help="weight memory per GPU and whether it fits")
+    parser.add_argument("--model", required=True, help="directory with config.json, or a preset name")
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--redundant", type=int, default=0, help="redundant expert slots per layer")
+    parser.add_argument("--gpu-memory-gb", type=float, default=141.0, help="per GPU, decimal GB (H200: 141)")
+    parser.add_argument("--bytes-per-param", type=float, help="override the checkpoint's dtype")
+    _common(parser)
+    parser.set_defaults(func=_run_memory)
+
+
+def _run_memory(args: argparse.Namespace) -> int:
+    from raymoe.moe.cost_model import load_model_shape, memory_per_rank
+
+    shape = load_model_shape(args.model, args.bytes_per_param)
+    estimate = memory_per_rank(shape, args.gpus, args.redundant, args.gpu_memory_gb * 1e9)
+    gb = 1e9
+    fits = estimate.fits
+    rows = [
+        ("model", f"{estimate.model}: {estimate.total_params / 1e9:.1f}B params, {shape.bytes_per_param:g} B/param"),
+        ("GPU memory", f"{args.gpu_memory_gb:g} GB x {args.gpus}"),
+        ("replicated", f"{estimate.replicated_bytes / gb:.1f} GB/GPU  fits={fits['replicated']}"),
+        ("expert-parallel", f"{estimate.expert_parallel_bytes / gb:.1f} GB/GPU ({estimate.experts_per_rank} experts/layer)  fits={fits['expert_parallel']}"),
+        ("EP + redundant", f"{estimate.redundant_bytes / gb:.1f} GB/GPU ({estimate.slots_per_rank} slots/layer)  fits={fits['expert_parallel_redundant']}"),
+        ("per redundant slot", f"{estimate.redundant_slot_bytes / gb:.2f} GB on the GPU that holds it"),
+    ]
+    return _emit(args, estimate.to_dict(), rows)
