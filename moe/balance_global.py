@@ -73,6 +73,8 @@ def refine_by_swaps(weight: np.ndarray, pack_of_item: np.ndarray, num_packs: int
     weight: [n]; pack_of_item: [n]. Returns the refined pack of each item [n].
     """
     pack_of_item = pack_of_item.copy()
+    if num_packs < 2:
+        return pack_of_item
     scale = max(float(weight.sum()), _EPSILON)
     for _ in range(4 * weight.shape[0] + 16):
         pack_weight = np.bincount(pack_of_item, weights=weight, minlength=num_packs)
