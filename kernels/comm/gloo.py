@@ -98,6 +98,7 @@ class GlooCommunicator:
         )
 
     def exchange_counts(self, send_counts: torch.Tensor, *, tag: str) -> torch.Tensor:
+        self._check_usable(tag)
         header = pack_count_header(send_counts, tag, self.world_size)  # [W, 2]
         ones = [1] * self.world_size
         received = self._all_to_all(header, plan_all_to_all(ones, ones, (2,)), tag)
@@ -111,6 +112,7 @@ class GlooCommunicator:
         *,
         tag: str,
     ) -> torch.Tensor:
+        self._check_usable(tag)
         layout = plan_payload(send, send_counts, recv_counts, self.world_size)
         if send.device.type != "cpu":
             raise CommError(f"collective {tag!r}: gloo moves CPU tensors, got one on {send.device}")
@@ -120,6 +122,14 @@ class GlooCommunicator:
         # A count exchange is a barrier: it returns once every peer's header has arrived,
         # and each peer sends its header only once it has entered the collective.
         self.exchange_counts(torch.zeros(self.world_size, dtype=torch.int64), tag=tag)
+
+    def _check_usable(self, tag: str) -> None:
+        ensure_open(self._process_group is None, tag)
+        if self._failure is not None:
+            raise CommError(
+                f"collective {tag!r} called on a communicator broken by an earlier failure "
+                f"({self._failure}); abort() it and build a new one"
+            )
 
     def close(self) -> None:
         self._process_group = None
@@ -135,12 +145,6 @@ class GlooCommunicator:
 
     def _all_to_all(self, send: torch.Tensor, layout: AllToAllLayout, tag: str) -> torch.Tensor:
         """Moves each peer's element range with one send/recv pair, under one deadline."""
-        ensure_open(self._process_group is None, tag)
-        if self._failure is not None:
-            raise CommError(
-                f"collective {tag!r} called on a communicator broken by an earlier failure "
-                f"({self._failure}); abort() it and build a new one"
-            )
         deadline = Deadline(self.timeout_s)
         gloo_tag = self._sequence % GLOO_TAG_MODULUS
         self._sequence += 1

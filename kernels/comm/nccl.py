@@ -43,9 +43,21 @@ def nccl_unique_id() -> tuple[int, ...]:
     Call it on rank 0's process: NCCL's bootstrap root listens in the calling process,
     which must stay alive until every rank has created its communicator.
     """
-    from cupy.cuda import nccl
-
+    _, nccl = import_cupy_nccl()
     return tuple(nccl.get_unique_id())
+
+
+def import_cupy_nccl():
+    """(cupy, cupy.cuda.nccl), imported on first use, with a clear error when missing."""
+    hint = "the NCCL communicator needs cupy with NCCL: pip install 'raymoe[gpu]' (cupy-cuda12x)"
+    try:
+        import cupy
+        from cupy.cuda import nccl
+    except ImportError as error:
+        raise ImportError(f"{hint}; import failed: {error}") from error
+    if not getattr(nccl, "available", False):  # cupy imports, but found no libnccl
+        raise ImportError(f"{hint}; cupy is installed but cannot load the NCCL library")
+    return cupy, nccl
 
 
 def validate_unique_id(unique_id: Sequence[int]) -> tuple[int, ...]:
@@ -90,9 +102,7 @@ class NcclCommunicator:
         device: this rank's GPU; defaults to torch's current CUDA device. Blocks until all
         ranks have joined; NCCL's own bootstrap timeout applies here, not `timeout_s`.
         """
-        import cupy
-        from cupy.cuda import nccl
-
+        cupy, nccl = import_cupy_nccl()
         validate_group(rank, world_size)
         timeout_s = validate_timeout(timeout_s)
         unique_id = validate_unique_id(unique_id)
@@ -110,6 +120,7 @@ class NcclCommunicator:
         )
 
     def exchange_counts(self, send_counts: torch.Tensor, *, tag: str) -> torch.Tensor:
+        self._check_usable(tag)
         header = pack_count_header(send_counts, tag, self.world_size).to(self.device)  # [W, 2]
         ones = [1] * self.world_size
         received = self._all_to_all(header, plan_all_to_all(ones, ones, (COUNT_HEADER_WIDTH,)), tag)
@@ -123,6 +134,7 @@ class NcclCommunicator:
         *,
         tag: str,
     ) -> torch.Tensor:
+        self._check_usable(tag)
         layout = plan_payload(send, send_counts, recv_counts, self.world_size)
         if send.device != self.device:
             raise CommError(
@@ -133,6 +145,14 @@ class NcclCommunicator:
     def barrier(self, *, tag: str) -> None:
         # A count exchange is a barrier: no rank's group completes before every peer joined it.
         self.exchange_counts(torch.zeros(self.world_size, dtype=torch.int64), tag=tag)
+
+    def _check_usable(self, tag: str) -> None:
+        ensure_open(self._nccl_comm is None, tag)
+        if self._failure is not None:
+            raise CommError(
+                f"collective {tag!r} called on a communicator broken by an earlier failure "
+                f"({self._failure}); abort() it and build a new one"
+            )
 
     def close(self) -> None:
         nccl_comm, self._nccl_comm = self._nccl_comm, None
@@ -149,15 +169,7 @@ class NcclCommunicator:
 
     def _all_to_all(self, send: torch.Tensor, layout: AllToAllLayout, tag: str) -> torch.Tensor:
         """Steps: 1. order after torch's stream, 2. issue the group, 3. wait until the deadline."""
-        import cupy
-        from cupy.cuda import nccl
-
-        ensure_open(self._nccl_comm is None, tag)
-        if self._failure is not None:
-            raise CommError(
-                f"collective {tag!r} called on a communicator broken by an earlier failure "
-                f"({self._failure}); abort() it and build a new one"
-            )
+        cupy, nccl = import_cupy_nccl()
         deadline = Deadline(self.timeout_s)
         data_type = int(nccl_data_type(send.dtype))
         element_size = send.element_size()
