@@ -191,6 +191,7 @@ class LLMEngine:
             [s.num_tokens for s in sequences],
             [s.block_table for s in sequences],
             self.blocks.block_size,
+            self.config.num_kv_heads,
             self.config.sliding_window,
         )
         device = self.device

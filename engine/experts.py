@@ -49,7 +49,17 @@ def run_worker_slots(
     expert_in = rows.index_select(0, assign_row)  # [A, D]
     expert_out = grouped_swiglu(expert_in, slot_counts, w13, w2)  # [A, D]
     expert_out = expert_out * assign_weight.to(expert_out.dtype).unsqueeze(1)
-    return torch.zeros_like(rows).index_add_(0, assign_row, expert_out)
+    return scatter_rows_add(rows.shape[0], assign_row, expert_out)
+
+
+def scatter_rows_add(num_rows: int, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``out[index[a]] += values[a]`` into ``[num_rows, D]`` zeros.
+
+    ``scatter_add_`` rather than ``index_add_``: on the CPU the latter loops row by row
+    and was measured 100x slower at decode sizes.
+    """
+    out = values.new_zeros(num_rows, values.shape[1])
+    return out.scatter_add_(0, index.unsqueeze(1).expand(-1, values.shape[1]), values)
 
 
 def plan_layer(
@@ -99,4 +109,4 @@ class LocalExperts:
             rows, plan.assign_row.to(hidden.device), plan.assign_weight.to(hidden.device),
             plan.slot_counts, self.w13[moe_layer], self.w2[moe_layer],
         )
-        return torch.zeros_like(hidden).index_add_(0, plan.send_token.to(hidden.device), partial)
+        return scatter_rows_add(hidden.shape[0], plan.send_token.to(hidden.device), partial)
