@@ -85,8 +85,8 @@ def route(
 def _mask_to_top_groups(choice: torch.Tensor, config: GateConfig) -> torch.Tensor:
     """Keep only the experts of the ``topk_groups`` best groups; others become -inf."""
     num_tokens = choice.shape[0]
-    grouped = choice.view(num_tokens, config.num_groups, -1)  # [T, G, E/G]
+    grouped = choice.view(num_tokens, config.num_groups, config.num_experts // config.num_groups)  # [T, G, E/G]
     group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
     top_groups = torch.topk(group_scores, config.topk_groups, dim=-1)[1]  # [T, topk_groups]
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
-    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, -1)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, config.num_experts)
