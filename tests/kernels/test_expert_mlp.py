@@ -1,0 +1,108 @@
+"""grouped_swiglu against a per-row reference, over a table of shapes and dtypes.
+
+Legend: A rows sorted by slot, S slots, D hidden, I expert intermediate.
+
+Reference: row ``a`` in slot ``s`` gives ``w2[s] @ (silu(w13[s][:I] @ x) * (w13[s][I:] @ x))``,
+computed one row at a time in float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raymoe.kernels.expert_mlp import grouped_swiglu
+
+# (slot_counts, hidden, intermediate)
+SHAPES = [
+    ([0], 8, 4),  # one slot, no rows
+    ([5], 8, 4),  # single slot
+    ([0, 0, 0], 16, 8),  # no rows at all
+    ([7, 0, 0, 0], 8, 6),  # all rows in the first slot
+    ([0, 0, 0, 7], 8, 6),  # all rows in the last slot
+    ([3, 0, 2, 0, 1], 16, 12),  # empty slots in between
+    ([1, 1, 1, 1], 32, 16),
+    ([0, 9, 4, 0], 24, 40),  # I > D
+    ([13, 2, 31, 6, 1, 0, 8, 3], 64, 32),
+]
+
+TOLERANCES = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+}
+
+
+def reference(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    intermediate = w2.shape[2]
+    slot_of_row = [s for s, n in enumerate(counts) for _ in range(n)]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for a, s in enumerate(slot_of_row):
+        xa, w13s, w2s = x[a].double(), w13[s].double(), w2[s].double()
+        gate = w13s[:intermediate] @ xa
+        up = w13s[intermediate:] @ xa
+        out[a] = w2s @ (F.silu(gate) * up)
+    return out
+
+
+def make_inputs(counts: list[int], hidden: int, intermediate: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = len(counts)
+    x = torch.randn(sum(counts), hidden, generator=gen)
+    w13 = torch.randn(num_slots, 2 * intermediate, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(num_slots, hidden, intermediate, generator=gen) / intermediate**0.5
+    return x.to(dtype), w13.to(dtype), w2.to(dtype)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("counts,hidden,intermediate", SHAPES)
+def test_grouped_swiglu_matches_per_row_reference(counts, hidden, intermediate, dtype, as_tensor) -> None:
+    x, w13, w2 = make_inputs(counts, hidden, intermediate, dtype, seed=len(counts) * 100 + hidden)
+    slot_counts = torch.tensor(counts, dtype=torch.int64) if as_tensor else counts
+    out = grouped_swiglu(x, slot_counts, w13, w2)
+    assert out.shape == x.shape
+    assert out.dtype == dtype
+    # The reference sees the same (rounded) inputs, so only the kernel's arithmetic differs.
+    expected = reference(x, counts, w13, w2).to(dtype)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+def test_rows_of_one_slot_do_not_see_other_slots() -> None:
+    """Swapping two slots' weights and their row blocks permutes the output the same way."""
+    counts = [3, 5]
+    x, w13, w2 = make_inputs(counts, 8, 4, torch.float32, seed=1)
+    out = grouped_swiglu(x, counts, w13, w2)
+    swapped = grouped_swiglu(torch.cat([x[3:], x[:3]]), [5, 3], w13.flip(0), w2.flip(0))
+    torch.testing.assert_close(swapped, torch.cat([out[3:], out[:3]]), rtol=1e-6, atol=1e-6)
+
+
+def test_empty_slot_weights_are_never_read() -> None:
+    counts = [2, 0, 3]
+    x, w13, w2 = make_inputs(counts, 8, 4, torch.float32, seed=2)
+    w13[1] = float("nan")
+    w2[1] = float("nan")
+    out = grouped_swiglu(x, counts, w13, w2)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, reference(x, counts, w13, w2).float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "counts,num_rows,num_slots",
+    [
+        ([2, 2], 5, 2),  # counts sum to fewer rows than x has
+        ([3, 3], 5, 2),  # ... or more
+        ([0, 0], 1, 2),
+        ([5], 5, 2),  # too few counts for the stacked experts
+        ([2, 2, 1], 5, 2),  # too many
+        ([], 0, 1),
+    ],
+)
+def test_bad_inputs_raise(counts, num_rows, num_slots) -> None:
+    x = torch.randn(num_rows, 8)
+    w13 = torch.randn(num_slots, 8, 8)
+    w2 = torch.randn(num_slots, 8, 4)
+    with pytest.raises(ValueError):
+        grouped_swiglu(x, counts, w13, w2)
+    with pytest.raises(ValueError):
+        grouped_swiglu(x, torch.tensor(counts, dtype=torch.int64), w13, w2)
