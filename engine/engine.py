@@ -66,6 +66,8 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     output_token_ids: list[int]
+    output_logprobs: list[float]
+    output_top_logprobs: list[list[tuple[int, float]] | None]
     stop_text_index: int | None = None
     logits: torch.Tensor | None = None  # [V], only with EngineConfig.keep_logits
 
@@ -170,10 +172,10 @@ class LLMEngine:
         last_rows = torch.tensor(list(itertools.accumulate(s.num_new_tokens for s in sequences))) - 1
         hidden = self._run(sequences)  # [T, D]
         logits = self.model.logits(hidden.index_select(0, last_rows.to(hidden.device))).cpu()  # [B, V]
-        tokens, logprobs = sample(logits, sequences)
+        tokens, logprobs, tops = sample(logits, sequences)
         outputs = [
-            self._postprocess(sequence, token, logprob, logits[i] if self.engine_config.keep_logits else None)
-            for i, (sequence, token, logprob) in enumerate(zip(sequences, tokens, logprobs))
+            self._postprocess(sequence, token, logprob, top, logits[i] if self.engine_config.keep_logits else None)
+            for i, (sequence, token, logprob, top) in enumerate(zip(sequences, tokens, logprobs, tops))
         ]
         self.num_steps += 1
         self.step_seconds += time.perf_counter() - started
@@ -206,9 +208,12 @@ class LLMEngine:
             sequence.num_computed = sequence.num_tokens
         return hidden
 
-    def _postprocess(self, sequence: Sequence, token: int, logprob: float, logits: torch.Tensor | None) -> RequestOutput:
+    def _postprocess(
+        self, sequence: Sequence, token: int, logprob: float, top, logits: torch.Tensor | None
+    ) -> RequestOutput:
         sequence.output_ids.append(token)
         sequence.logprobs.append(logprob)
+        sequence.top_logprobs.append(top)
         params = sequence.params
         reason = None
         if (not params.ignore_eos and token in self.config.eos_token_ids) or token in params.stop_token_ids:
@@ -229,6 +234,8 @@ class LLMEngine:
             finish_reason=reason.value if reason else None,
             num_prompt_tokens=len(sequence.prompt_ids),
             output_token_ids=sequence.output_ids,
+            output_logprobs=sequence.logprobs,
+            output_top_logprobs=sequence.top_logprobs,
             stop_text_index=sequence.stop_text_index,
             logits=logits,
         )

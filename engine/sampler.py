@@ -15,8 +15,15 @@ import torch
 from raymoe.engine.sequence import Sequence
 
 
-def sample(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], list[float]]:
-    """``logits: [B, V]`` float32 -> (token ids, logprobs), one per sequence."""
+TopLogprobs = list[tuple[int, float]]
+
+
+def sample(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
+    """``logits: [B, V]`` float32 -> (token ids, logprobs, top alternatives), one per sequence.
+
+    Top alternatives are ``(token, logprob)`` pairs, best first, for sequences whose
+    ``params.logprobs > 0``; None for the others.
+    """
     logprobs_all = torch.log_softmax(logits, dim=-1)  # [B, V]
     tokens = torch.argmax(logits, dim=-1)  # [B]
     random_rows = [i for i, s in enumerate(sequences) if not s.params.is_greedy]
@@ -27,7 +34,15 @@ def sample(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], 
             choice = torch.multinomial(probs[row], 1, generator=sequences[i].generator)
             tokens[i] = choice[0]
     chosen = logprobs_all.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    return tokens.tolist(), chosen.tolist()
+    tops: list[TopLogprobs | None] = [None] * len(sequences)
+    wanted = max(s.params.logprobs for s in sequences)
+    if wanted:
+        values, ids = torch.topk(logprobs_all, min(wanted, logprobs_all.shape[1]), dim=-1)
+        for i, sequence in enumerate(sequences):
+            n = sequence.params.logprobs
+            if n:
+                tops[i] = list(zip(ids[i, :n].tolist(), values[i, :n].tolist()))
+    return tokens.tolist(), chosen.tolist(), tops
 
 
 def _filtered_probs(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:

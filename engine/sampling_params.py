@@ -15,6 +15,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int = 0  # alternatives to report beside each chosen token's logprob
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -29,6 +30,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must hold non-empty strings")
+        if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must hold non-negative integers")
 

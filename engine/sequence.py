@@ -31,6 +31,7 @@ class Sequence:
     arrival: int
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose keys/values are in the cache
     status: SequenceStatus = SequenceStatus.WAITING

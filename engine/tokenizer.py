@@ -48,6 +48,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary entry of ``token_id`` (unique per id, unlike decoding it alone)."""
+        return self._tokenizer.id_to_token(token_id) or f"<{token_id}>"
+
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 

@@ -36,8 +36,13 @@ class CapacityConfig:
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """``ceil(capacity_factor * tokens * k / experts)`` assignments per logical expert."""
-    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+    """``ceil(capacity_factor * tokens * k / experts)`` assignments per logical expert.
+
+    A relative 1e-9 guard keeps float noise from rounding an exact integer up
+    (``1.1 * 100`` is ``110.00000000000001`` in binary floating point).
+    """
+    exact = capacity_factor * num_tokens * top_k / num_experts
+    return math.ceil(exact * (1 - 1e-9))
 
 
 def keep_mask(topk_ids: torch.Tensor, num_experts: int, config: CapacityConfig) -> torch.Tensor:

@@ -1,0 +1,104 @@
+"""Offline batch inference in the OpenAI batch file format (as vLLM's run-batch reads it).
+
+Input lines: ``{"custom_id", "method": "POST", "url": "/v1/completions", "body": {...}}``.
+Output lines, in input order: ``{"id", "custom_id", "response": {"status_code",
+"request_id", "body"}, "error"}``. A line that cannot be served gets its 4xx response and
+the rest of the batch goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import IO, Any, Protocol
+
+from raymoe.engine.completions import Endpoint, ModelLimits, PreparedRequest, prepare_request, response_body
+from raymoe.engine.engine import RequestOutput
+from raymoe.engine.openai_protocol import RequestError, new_id
+from raymoe.engine.sampling_params import SamplingParams
+from raymoe.engine.tokenizer import Tokenizer
+
+
+class BatchEngine(Protocol):
+    """What run-batch needs from an engine: the in-process one, or a cluster's routers."""
+
+    def run(self, requests: list[tuple[str, list[int], SamplingParams]], on_finish) -> None: ...
+
+
+def read_batch(lines: IO[str]) -> list[dict[str, Any]]:
+    items = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"line {number} is not valid JSON: {error}") from None
+        if not isinstance(item, dict) or "custom_id" not in item or "body" not in item:
+            raise ValueError(f"line {number}: expected an object with custom_id, method, url and body")
+        items.append(item)
+    return items
+
+
+def run_batch(items: list[dict[str, Any]], engine: BatchEngine, tokenizer: Tokenizer | None, limits: ModelLimits,
+              progress: IO[str] | None = sys.stderr) -> list[dict[str, Any]]:
+    """Serve every item; returns the output lines (dicts) in input order."""
+    results: dict[int, dict[str, Any]] = {}
+    prepared: dict[str, tuple[int, PreparedRequest]] = {}
+    requests = []
+    for index, item in enumerate(items):
+        request_id = new_id("batch")
+        try:
+            if str(item.get("method", "POST")).upper() != "POST":
+                raise RequestError(f"unsupported method {item.get('method')!r}; only POST", param="method")
+            endpoint = Endpoint.parse(item.get("url", Endpoint.COMPLETIONS.value))
+            request = prepare_request(endpoint, item["body"], tokenizer, limits)
+        except RequestError as error:
+            results[index] = _line(item, request_id, error.status, error.body())
+            continue
+        prepared[request_id] = (index, request)
+        requests.append((request_id, request.prompt_ids, request.params))
+    reporter = _Progress(len(requests), progress)
+
+    def on_finish(output: RequestOutput) -> None:
+        index, request = prepared[output.request_id]
+        body = response_body(request, output, tokenizer, output.request_id, limits.name)
+        results[index] = _line(items[index], output.request_id, 200, body)
+        reporter.advance()
+
+    if requests:
+        engine.run(requests, on_finish)
+    reporter.close()
+    return [results[i] for i in range(len(items))]
+
+
+def _line(item: dict[str, Any], request_id: str, status: int, body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": new_id("batch-out"),
+        "custom_id": item.get("custom_id"),
+        "response": {"status_code": status, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
+class _Progress:
+    """``done/total`` on one refreshed stderr line, at most a few times a second."""
+
+    def __init__(self, total: int, stream: IO[str] | None):
+        self.total, self.done, self.stream = total, 0, stream
+        self.started = self.last = time.monotonic()
+
+    def advance(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if self.stream is not None and (now - self.last > 0.25 or self.done == self.total):
+            self.last = now
+            rate = self.done / max(now - self.started, 1e-9)
+            self.stream.write(f"\rrun-batch: {self.done}/{self.total} requests ({rate:.1f} req/s)")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.stream is not None and self.total:
+            self.stream.write("\n")
+            self.stream.flush()
