@@ -37,9 +37,6 @@ class BlockManager:
             raise OutOfBlocks(f"need {needed} blocks, {len(self._free)} free")
         return [self._free.pop() for _ in range(needed)]
 
-    def can_grow(self, block_table: list[int], num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) - len(block_table) <= len(self._free)
-
     def grow(self, block_table: list[int], num_tokens: int) -> None:
         """Extend ``block_table`` in place so it can hold ``num_tokens`` tokens."""
         extra = self.blocks_needed(num_tokens) - len(block_table)

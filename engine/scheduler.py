@@ -84,8 +84,7 @@ class Scheduler:
     def _make_room_for_decode(self) -> None:
         # Every running sequence needs room for one more token; preempt the newest until it fits.
         while True:
-            short = [s for s in self.running if not self.blocks.can_grow(s.block_table, s.num_tokens)]
-            needed = sum(self.blocks.blocks_needed(s.num_tokens) - len(s.block_table) for s in short)
+            needed = sum(max(0, self.blocks.blocks_needed(s.num_tokens) - len(s.block_table)) for s in self.running)
             if needed <= self.blocks.num_free_blocks or len(self.running) == 1:
                 break
             victim = max(self.running, key=lambda s: s.arrival)
