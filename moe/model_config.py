@@ -31,6 +31,15 @@ class Architecture(enum.Enum):
     DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 
 
+_MODEL_TYPES = {
+    "mixtral": Architecture.MIXTRAL,
+    "qwen2_moe": Architecture.QWEN2_MOE,
+    "qwen3_moe": Architecture.QWEN3_MOE,
+    "olmoe": Architecture.OLMOE,
+    "deepseek_v3": Architecture.DEEPSEEK_V3,
+}
+
+
 class AttentionKind(enum.Enum):
     GQA = "gqa"
     MLA = "mla"
@@ -150,6 +159,8 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     names = raw.get("architectures") or []
     supported = {a.value: a for a in Architecture}
     matches = [supported[n] for n in names if n in supported]
+    if not names and raw.get("model_type") in _MODEL_TYPES:  # configs written without `architectures`
+        matches = [_MODEL_TYPES[raw["model_type"]]]
     if not matches:
         raise UnsupportedModelError(
             f"unsupported architecture {names or raw.get('model_type')!r}; raymoe serves "
