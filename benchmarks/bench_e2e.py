@@ -23,8 +23,8 @@ from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.sampling_params import SamplingParams
 
 
-def run_raymoe(path: str, requests) -> tuple[float, int, list[list[int]]]:
-    engine = LLMEngine.from_pretrained(path, EngineConfig(dtype="float32"))
+def run_raymoe(path: str, requests, dtype: str) -> tuple[float, int, list[list[int]]]:
+    engine = LLMEngine.from_pretrained(path, EngineConfig(dtype=dtype))
     engine.generate([requests[0][0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
     started = time.perf_counter()
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="transformers static batch size")
     parser.add_argument("--profile", action="store_true", help="cProfile raymoe's run and print the top costs")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both sides")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
     args = parser.parse_args()
     if args.threads:
@@ -70,14 +71,15 @@ def main() -> None:
         if args.profile:
             profiler = cProfile.Profile()
             profiler.enable()
-        ours, ours_tokens, ours_out = run_raymoe(path, requests)
+        ours, ours_tokens, ours_out = run_raymoe(path, requests, args.dtype)
         if args.profile:
             profiler.disable()
             pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
-        print(f"machine: {machine_description()}")
+        print(f"machine: {machine_description()}; dtype {args.dtype}")
         print(f"raymoe:       {ours:7.2f} s  {ours_tokens / ours:8.1f} output tok/s  ({ours_tokens} tokens)")
         if args.skip_transformers:
             return
+        model = model.to(getattr(torch, args.dtype))
         theirs, theirs_tokens, theirs_out = run_transformers(model, requests, args.batch_size)
         print(f"transformers: {theirs:7.2f} s  {theirs_tokens / theirs:8.1f} output tok/s  (static batches of {args.batch_size})")
         same = sum(a == b for a, b in zip(ours_out, theirs_out))

@@ -103,10 +103,13 @@ class LocalExperts:
         )
         self.num_dropped += plan.num_dropped
         self.tokens_per_expert[moe_layer] += plan.slot_counts
-        # One worker: its rows are the tokens in order, so the partial sums are the output.
-        rows = hidden.index_select(0, plan.send_token.to(hidden.device))
+        # One worker: its rows are the tokens with a kept assignment, so the partial sums
+        # are the output (all tokens, in order, when nothing was dropped).
+        device = hidden.device
+        identity = plan.send_token.numel() == hidden.shape[0]
+        rows = hidden if identity else hidden.index_select(0, plan.send_token.to(device))
         partial = run_worker_slots(
-            rows, plan.assign_row.to(hidden.device), plan.assign_weight.to(hidden.device),
+            rows, plan.assign_row.to(device), plan.assign_weight.to(device),
             plan.slot_counts, self.w13[moe_layer], self.w2[moe_layer],
         )
-        return scatter_rows_add(hidden.shape[0], plan.send_token.to(hidden.device), partial)
+        return partial if identity else scatter_rows_add(hidden.shape[0], plan.send_token.to(device), partial)

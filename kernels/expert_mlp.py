@@ -51,8 +51,8 @@ def _grouped_swiglu_loop(x: torch.Tensor, counts: list[int], w13: torch.Tensor, 
             continue
         end = start + count
         gate_up = F.linear(x[start:end], w13[slot])  # [n, 2I]
-        hidden = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]  # [n, I]
-        out[start:end] = F.linear(hidden, w2[slot])  # [n, D]
+        hidden = F.silu(gate_up[:, :intermediate], inplace=True).mul_(gate_up[:, intermediate:])  # [n, I]
+        torch.mm(hidden, w2[slot].t(), out=out[start:end])  # [n, D], written in place
         start = end
     return out
 

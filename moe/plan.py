@@ -75,15 +75,17 @@ def plan_dispatch(
     flat_expert = topk_ids.reshape(-1)  # [T*k], token-major
     flat_kept = kept.reshape(-1)
     # Step 1: replica choice by the assignment's rank among its expert's kept assignments.
-    order = torch.argsort(torch.where(flat_kept, flat_expert, -1), stable=True)
     counts = torch.bincount(flat_expert[flat_kept], minlength=log2phy.shape[0])
     num_dropped = int(flat_kept.numel() - counts.sum())
-    starts = torch.cumsum(counts, 0) - counts
-    sorted_expert = flat_expert[order]
-    rank_sorted = torch.arange(order.numel()) - num_dropped - starts[sorted_expert]
-    rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
-    replica = torch.remainder(rank, logcnt[flat_expert])
-    flat_slot = torch.where(flat_kept, log2phy[flat_expert, replica], -1)  # [T*k]
+    if log2phy.shape[1] == 1:  # no expert is replicated: its only slot
+        flat_slot = torch.where(flat_kept, log2phy[flat_expert, 0], -1)  # [T*k]
+    else:
+        order = torch.argsort(torch.where(flat_kept, flat_expert, -1), stable=True)
+        starts = torch.cumsum(counts, 0) - counts
+        rank_sorted = torch.arange(order.numel()) - num_dropped - starts[flat_expert[order]]
+        rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
+        replica = torch.remainder(rank, logcnt[flat_expert])
+        flat_slot = torch.where(flat_kept, log2phy[flat_expert, replica], -1)  # [T*k]
     # Step 2: kept assignments sorted by slot; ties keep token order.
     kept_index = torch.nonzero(flat_kept).squeeze(1)
     by_slot = kept_index[torch.argsort(flat_slot[kept_index], stable=True)]  # [A]
@@ -92,12 +94,17 @@ def plan_dispatch(
     assign_weight = topk_weights.reshape(-1)[by_slot].float()
     slot_counts = torch.bincount(assign_slot, minlength=num_slots)
     # Step 3: dedup to unique (worker, token) rows, ordered by worker then token.
-    assign_worker = torch.div(assign_slot, slots_per_worker, rounding_mode="floor")
-    key = assign_worker * num_tokens + assign_token
-    unique_key, assign_row = torch.unique(key, sorted=True, return_inverse=True)
-    send_token = torch.remainder(unique_key, num_tokens) if num_tokens else unique_key
-    send_worker = torch.div(unique_key, max(num_tokens, 1), rounding_mode="floor")
-    send_counts = torch.bincount(send_worker, minlength=num_workers)
+    if num_workers == 1 and num_dropped == 0:  # one worker sees every token once, in order
+        send_token = torch.arange(num_tokens)
+        assign_row = assign_token
+        send_counts = torch.tensor([num_tokens])
+    else:
+        assign_worker = torch.div(assign_slot, slots_per_worker, rounding_mode="floor")
+        key = assign_worker * num_tokens + assign_token
+        unique_key, assign_row = torch.unique(key, sorted=True, return_inverse=True)
+        send_token = torch.remainder(unique_key, num_tokens) if num_tokens else unique_key
+        send_worker = torch.div(unique_key, max(num_tokens, 1), rounding_mode="floor")
+        send_counts = torch.bincount(send_worker, minlength=num_workers)
     return DispatchPlan(
         num_tokens=num_tokens,
         num_workers=num_workers,
