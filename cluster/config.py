@@ -1,0 +1,289 @@
+"""The cluster config: YAML in, frozen typed structs out, validated once at load.
+
+A minimal file::
+
+    model: /path/to/checkpoint
+    device: cpu            # auto | cpu | cuda
+    dtype: float32         # auto | float32 | bfloat16 | float16
+    routers: 2             # router actors (data parallel over requests)
+    expert_workers: 3      # one per GPU
+    placement:
+      strategy: round_robin        # contiguous | round_robin | explicit
+      redundant_slots_per_worker: 1
+    serve:
+      host: 127.0.0.1
+      port: 8000
+
+An explicit placement maps worker id -> logical experts it holds; ``layers`` replaces that
+map for the given MoE-layer indices (0-based over MoE layers)::
+
+    placement:
+      strategy: explicit
+      experts: {0: [0, 1, 2], 1: [3, 4, 5]}
+      layers:
+        3: {0: [3, 4, 5], 1: [0, 1, 2]}
+
+Every error names the file and the field's YAML path (see ``config_errors``). The structs
+hold plain values only, never live handles; each component receives its own sub-struct.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Hashable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import msgspec
+import numpy as np
+import yaml
+
+from raymoe.cluster.config_errors import ConfigError, describe_validation_error
+from raymoe.kernels.comm.factory import CommBackend
+from raymoe.moe.capacity import OverflowPolicy
+
+if TYPE_CHECKING:
+    from raymoe.moe.placement import PlacementTable
+
+__all__ = [
+    "CapacitySection",
+    "ClusterConfig",
+    "CommBackend",
+    "CommSection",
+    "ConfigError",
+    "DType",
+    "Device",
+    "EngineSection",
+    "NodeStrategy",
+    "OverflowPolicy",
+    "PlacementSection",
+    "PlacementStrategy",
+    "ServeSection",
+    "load_cluster_config",
+    "parse_cluster_config",
+]
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+WorkerMap = dict[NonNegative, list[NonNegative]]  # worker id -> logical experts
+
+
+class Device(enum.Enum):
+    AUTO = "auto"  # cuda when available, else cpu
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class DType(enum.Enum):
+    AUTO = "auto"  # the checkpoint's dtype (float16 becomes float32 on the CPU)
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class PlacementStrategy(enum.Enum):
+    CONTIGUOUS = "contiguous"  # expert e on worker e // ceil(E / W)
+    ROUND_ROBIN = "round_robin"  # expert e on worker e % W
+    EXPLICIT = "explicit"  # placement.experts (and placement.layers) say where
+
+
+class NodeStrategy(enum.Enum):
+    """How expert workers spread over nodes: Ray placement group strategies."""
+
+    PACK = "PACK"
+    SPREAD = "SPREAD"
+    STRICT_SPREAD = "STRICT_SPREAD"
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class PlacementSection(_Section):
+    strategy: PlacementStrategy = PlacementStrategy.CONTIGUOUS
+    redundant_slots_per_worker: NonNegative = 0
+    node_strategy: NodeStrategy = NodeStrategy.PACK
+    experts: WorkerMap | None = None  # explicit only: worker -> logical experts
+    layers: dict[NonNegative, WorkerMap] | None = None  # explicit only: MoE layer -> map
+
+
+class CommSection(_Section):
+    backend: CommBackend = CommBackend.AUTO
+    timeout_s: PositiveFloat = 30.0
+
+
+class CapacitySection(_Section):
+    factor: PositiveFloat = 1.0
+    overflow: OverflowPolicy = OverflowPolicy.NONE
+
+
+class EngineSection(_Section):
+    max_num_seqs: Positive = 256
+    max_num_batched_tokens: Positive = 4096
+    block_size: Positive = 16
+    max_model_len: Positive | None = None  # default: the model's max_position_embeddings
+    kv_cache_bytes: Positive = 512 * 2**20
+
+
+class ServeSection(_Section):
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8000
+
+
+class ClusterConfig(_Section):
+    model: str  # checkpoint directory; absolute after loading
+    device: Device = Device.AUTO
+    dtype: DType = DType.AUTO
+    routers: Positive = 1
+    expert_workers: Positive = 1
+    placement: PlacementSection = PlacementSection()
+    comm: CommSection = CommSection()
+    capacity: CapacitySection = CapacitySection()
+    engine: EngineSection = EngineSection()
+    serve: ServeSection = ServeSection()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain builtins (enums as their values); ``parse_cluster_config`` reads it back.
+
+        Explicit maps keep their integer keys: ``json.dumps`` and YAML both accept them.
+        """
+        return msgspec.to_builtins(self)
+
+    def initial_placement(
+        self,
+        num_layers: int,
+        num_experts: int,
+        *,
+        worker2node: list[int] | np.ndarray | None = None,
+        load: np.ndarray | None = None,
+    ) -> "PlacementTable":
+        """The placement this config asks for, for a model with these MoE dimensions."""
+        from raymoe.moe.initial_placement import initial_placement
+
+        placement = self.placement
+        return initial_placement(
+            num_layers,
+            num_experts,
+            self.expert_workers,
+            placement.strategy,
+            redundant_slots_per_worker=placement.redundant_slots_per_worker,
+            explicit=placement.experts,
+            explicit_layers=placement.layers,
+            worker2node=worker2node,
+            load=load,
+        )
+
+
+def load_cluster_config(
+    path_or_text: str | os.PathLike, *, base_dir: str | os.PathLike | None = None
+) -> ClusterConfig:
+    """Loads and validates a cluster config from a YAML file (or YAML text).
+
+    A ``str`` holding a newline is taken as YAML text, any other ``str`` or path as a file
+    name. A relative ``model`` path is resolved against ``base_dir``, which defaults to the
+    file's directory (the working directory for text). Raises :class:`ConfigError`.
+    """
+    if isinstance(path_or_text, str) and "\n" in path_or_text:
+        source, text = "<string>", path_or_text
+        default_dir = Path.cwd()
+    else:
+        path = Path(path_or_text).expanduser()
+        source = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"{source}: cannot read config: {exc.strerror or exc}") from None
+        default_dir = path.resolve().parent
+    data = _parse_yaml(text, source)
+    return parse_cluster_config(data, source, base_dir=base_dir or default_dir)
+
+
+def parse_cluster_config(
+    data: Any, source: str = "<config>", *, base_dir: str | os.PathLike | None = None
+) -> ClusterConfig:
+    """Validates already-parsed YAML/JSON builtins; the first problem raises ConfigError."""
+    if data is None:
+        raise ConfigError(f"{source}: the config is empty; at least `model:` is required")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level; got {type(data).__name__}")
+    try:
+        config = msgspec.convert(data, ClusterConfig, strict=True)
+    except msgspec.ValidationError as exc:
+        message = describe_validation_error(exc, data, ClusterConfig)
+        raise ConfigError(f"{source}: {message}") from None
+    problem = _cross_field_problem(config)
+    if problem:
+        raise ConfigError(f"{source}: {problem}")
+    model = Path(config.model).expanduser()
+    if not model.is_absolute():
+        model = Path(base_dir or Path.cwd()) / model
+    return msgspec.structs.replace(config, model=os.path.normpath(model))
+
+
+def _cross_field_problem(config: ClusterConfig) -> str | None:
+    """Checks that span fields; the message starts with the YAML path of the culprit."""
+    placement = config.placement
+    is_explicit = placement.strategy is PlacementStrategy.EXPLICIT
+    if not config.model:
+        return "model: expected a checkpoint path; got ''"
+    if is_explicit and placement.experts is None:
+        return "placement.experts: required when placement.strategy is explicit"
+    if not is_explicit:
+        for name in ("experts", "layers"):
+            if getattr(placement, name) is not None:
+                return (
+                    f"placement.{name}: only allowed with placement.strategy explicit; "
+                    f"got strategy {placement.strategy.value!r}"
+                )
+        return None
+    maps = [("placement.experts", placement.experts)]
+    maps += [(f"placement.layers.{layer}", m) for layer, m in (placement.layers or {}).items()]
+    for path, worker_map in maps:
+        if not worker_map:
+            return f"{path}: expected a mapping of worker id -> list of experts; got {{}}"
+        for worker, experts in worker_map.items():
+            if worker >= config.expert_workers:
+                return (
+                    f"{path}.{worker}: worker {worker} does not exist "
+                    f"(expert_workers: {config.expert_workers}, ids 0..{config.expert_workers - 1})"
+                )
+            if not experts:
+                return f"{path}.{worker}: expected a non-empty list of expert ids; got []"
+            repeated = sorted({e for e in experts if experts.count(e) > 1})
+            if repeated:
+                return f"{path}.{worker}: experts listed more than once: {repeated}"
+    return None
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark, context = exc.problem_mark or exc.context_mark, ""
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        if exc.context and exc.context_mark and exc.problem_mark:
+            start = exc.context_mark
+            context = f" ({exc.context} at line {start.line + 1}, column {start.column + 1})"
+        problem = exc.problem or exc.context
+        raise ConfigError(f"{source}: {where}invalid YAML: {problem}{context}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # SafeLoader's own error names it
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
