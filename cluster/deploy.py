@@ -1,0 +1,174 @@
+"""Bring a cluster config up on Ray: expert workers in a placement group, routers, groups.
+
+1. Check the checkpoint against its config before any actor starts.
+2. Reserve one bundle per expert worker (a GPU each; a sliver of CPU on CPU-only machines,
+   so the config's counts decide how many actors start, whatever the core count), spread
+   over nodes by ``placement.node_strategy``.
+3. Build the one :class:`PlacementTable` from the config and the bundles' nodes.
+4. Start the workers (each loads only its own experts) and the routers.
+5. Each router makes a rendezvous; it and every worker join that router's group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raymoe.actors.expert_worker import ExpertWorker
+from raymoe.actors.router import Router
+from raymoe.cluster.config import ClusterConfig
+from raymoe.engine.checkpoint import Checkpoint
+from raymoe.engine.engine import EngineConfig, RequestOutput
+from raymoe.engine.sampling_params import SamplingParams
+from raymoe.engine.scheduler import SchedulerConfig
+from raymoe.engine.weights import validate_checkpoint
+from raymoe.kernels.comm import CommBackend
+from raymoe.moe.capacity import CapacityConfig
+from raymoe.moe.initial_placement import initial_placement
+from raymoe.moe.model_config import ModelConfig, load_model_config
+from raymoe.moe.placement import PlacementTable
+
+CPU_SLIVER = 0.01  # CPU share of an actor on a CPU-only machine
+ACTOR_CONCURRENCY_SLACK = 4  # calls a worker must answer beside one serve_step per router
+
+
+def engine_config(config: ClusterConfig) -> EngineConfig:
+    return EngineConfig(
+        dtype=config.dtype.value,
+        device="cuda" if _uses_gpus(config) else "cpu",
+        block_size=config.engine.block_size,
+        max_model_len=config.engine.max_model_len,
+        kv_cache_bytes=config.engine.kv_cache_bytes,
+        scheduler=SchedulerConfig(config.engine.max_num_seqs, config.engine.max_num_batched_tokens),
+        capacity=CapacityConfig(config.capacity.factor, config.capacity.overflow),
+    )
+
+
+def _uses_gpus(config: ClusterConfig) -> bool:
+    device = config.device.value
+    if device == "auto":
+        return bool(ray.cluster_resources().get("GPU", 0))
+    return device == "cuda"
+
+
+@dataclass
+class Deployment:
+    config: ClusterConfig
+    model_config: ModelConfig
+    placement: PlacementTable
+    routers: list[Any]
+    workers: list[Any]
+    group: Any
+    worker_nodes: list[str]
+    _next_request: Any = field(default_factory=itertools.count)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Run prompts on the routers; outputs in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        return self.run([(f"req-{next(self._next_request)}", p, sp) for p, sp in zip(prompts, params_list)])
+
+    def run(self, requests: list[tuple[str, list[int], SamplingParams]]) -> list[RequestOutput]:
+        """Spread ``(request_id, prompt_ids, params)`` over the routers round robin; outputs in order."""
+        shares: list[list[int]] = [list(range(r, len(requests), len(self.routers))) for r in range(len(self.routers))]
+        refs = [(share, router.generate.remote([requests[i] for i in share]))
+                for router, share in zip(self.routers, shares) if share]
+        results: list[RequestOutput | None] = [None] * len(requests)
+        for share, ref in refs:
+            for index, output in zip(share, ray.get(ref)):
+                results[index] = output
+        return results  # type: ignore[return-value]
+
+    def score(self, prompts: list[list[int]], router: int = 0):
+        return ray.get(self.routers[router].score.remote(prompts))
+
+    def telemetry(self) -> list[dict[str, Any]]:
+        return ray.get([router.get_telemetry.remote() for router in self.routers])
+
+    def shutdown(self) -> None:
+        for actor in [*self.routers, *self.workers]:
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(self.group)
+
+
+def deploy(config: ClusterConfig, name: str = "raymoe") -> Deployment:
+    """Start the actors a config describes on the connected Ray cluster (see ray_session)."""
+    # Step 1: the checkpoint must match its config before anything starts.
+    model_config = load_model_config(config.model)
+    validate_checkpoint(Checkpoint(config.model), model_config)
+    gpus = _uses_gpus(config)
+    backend = CommBackend(config.comm.backend.value)
+    if backend is CommBackend.NCCL and not gpus:
+        raise ValueError("comm.backend: nccl needs device cuda (GPUs); use gloo or auto on CPU-only machines")
+    backend = CommBackend.NCCL if backend is CommBackend.AUTO and gpus else (
+        CommBackend.GLOO if backend is CommBackend.AUTO else backend)
+    # Step 2: one bundle per expert worker, spread over nodes as asked.
+    bundle = {"GPU": 1, "CPU": CPU_SLIVER} if gpus else {"CPU": CPU_SLIVER}
+    group = placement_group([dict(bundle) for _ in range(config.expert_workers)],
+                            strategy=config.placement.node_strategy.value, name=f"{name}-workers")
+    try:
+        ray.get(group.ready(), timeout=120)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise RuntimeError(
+            f"could not reserve {config.expert_workers} expert-worker bundles {bundle} with "
+            f"{config.placement.node_strategy.value}; cluster resources: {ray.cluster_resources()}"
+        ) from None
+    bundle_nodes = placement_group_table(group)["bundles_to_node_id"]
+    worker_nodes = [bundle_nodes[i] for i in range(config.expert_workers)]
+    node_index = {node: i for i, node in enumerate(dict.fromkeys(worker_nodes))}
+    # Step 3: the one placement table.
+    placement = initial_placement(
+        num_layers=len(model_config.moe_layers),
+        num_experts=model_config.num_experts,
+        num_workers=config.expert_workers,
+        strategy=config.placement.strategy.value,
+        redundant_slots_per_worker=config.placement.redundant_slots_per_worker,
+        explicit=config.placement.experts,
+        explicit_layers=config.placement.layers,
+        worker2node=[node_index[n] for n in worker_nodes],
+    )
+    # Step 4: actors. Workers load their own experts; routers the dense weights.
+    concurrency = config.routers + ACTOR_CONCURRENCY_SLACK
+    worker_class = ray.remote(ExpertWorker)
+    workers = [
+        worker_class.options(
+            num_cpus=0 if gpus else CPU_SLIVER, num_gpus=1 if gpus else 0, max_concurrency=concurrency,
+            name=f"{name}-worker-{w}", scheduling_strategy=PlacementGroupSchedulingStrategy(group, w),
+        ).remote(w, config.model, config.dtype.value, "cuda" if gpus else "cpu", placement.to_dict())
+        for w in range(config.expert_workers)
+    ]
+    router_class = ray.remote(Router)
+    routers = [
+        router_class.options(
+            num_cpus=0 if gpus else CPU_SLIVER, num_gpus=1 if gpus else 0, max_concurrency=2, name=f"{name}-router-{r}",
+        ).remote(f"router-{r}", config.model, engine_config(config), placement.to_dict(), workers,
+                 backend.value, config.comm.timeout_s)
+        for r in range(config.routers)
+    ]
+    # Step 5: one communicator group per router: the router is rank 0, worker w is 1 + w.
+    world = 1 + config.expert_workers
+    for index, router in enumerate(routers):
+        rendezvous = ray.get(router.rendezvous.remote())
+        ray.get([router.join.remote(rendezvous)] + [
+            worker.join.remote(f"router-{index}", backend.value, rendezvous, world, config.comm.timeout_s)
+            for worker in workers
+        ])
+    return Deployment(config, model_config, placement, routers, workers, group, worker_nodes)
+
+
+def ensure_ray(address: str | None = None) -> None:
+    """Connect to ``address`` (or RAY_ADDRESS), or start a local Ray listening on loopback."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+        return
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(include_dashboard=False)
