@@ -96,7 +96,7 @@ class Deployment:
         remove_placement_group(self.group)
 
 
-def deploy(config: ClusterConfig, name: str = "raymoe") -> Deployment:
+def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float = 120.0) -> Deployment:
     """Start the actors a config describes on the connected Ray cluster (see ray_session)."""
     # Step 1: the checkpoint must match its config before anything starts.
     model_config = load_model_config(config.model)
@@ -112,12 +112,13 @@ def deploy(config: ClusterConfig, name: str = "raymoe") -> Deployment:
     group = placement_group([dict(bundle) for _ in range(config.expert_workers)],
                             strategy=config.placement.node_strategy.value, name=f"{name}-workers")
     try:
-        ray.get(group.ready(), timeout=120)
+        ray.get(group.ready(), timeout=ready_timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(group)
         raise RuntimeError(
             f"could not reserve {config.expert_workers} expert-worker bundles {bundle} with "
-            f"{config.placement.node_strategy.value}; cluster resources: {ray.cluster_resources()}"
+            f"{config.placement.node_strategy.value} within {ready_timeout_s:.0f} s; cluster resources: "
+            f"{ray.cluster_resources()}, nodes: {len(ray.nodes())}. STRICT_SPREAD needs one node per worker."
         ) from None
     bundle_nodes = placement_group_table(group)["bundles_to_node_id"]
     worker_nodes = [bundle_nodes[i] for i in range(config.expert_workers)]

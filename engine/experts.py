@@ -71,7 +71,12 @@ def plan_layer(
     log2phy: torch.Tensor | None = None,
     logcnt: torch.Tensor | None = None,
 ) -> DispatchPlan:
-    """Capacity, then the dispatch plan, for one MoE layer of ``placement``."""
+    """Capacity, then the dispatch plan, for one MoE layer of ``placement``.
+
+    Plans are small index arithmetic and always run on the CPU; executing them moves the
+    indices to the activations' device.
+    """
+    topk_ids, topk_weights = topk_ids.cpu(), topk_weights.cpu()
     kept = keep_mask(topk_ids, placement.num_experts, capacity)
     if log2phy is None:
         log2phy = torch.tensor(placement.log2phy[moe_layer])

@@ -64,7 +64,7 @@ class RemoteExperts:
         out, traffic = router_exchange(self.comm, plan, hidden, self.top_k, moe_layer)
         dropped = torch.zeros(self.placement.num_workers, dtype=torch.int64)
         if plan.num_dropped:
-            home_worker = log2phy[topk_ids[plan.slot < 0], 0] // self.placement.slots_per_worker
+            home_worker = log2phy[topk_ids.cpu()[plan.slot < 0], 0] // self.placement.slots_per_worker
             dropped = torch.bincount(home_worker, minlength=self.placement.num_workers)
         self.telemetry.record_layer(moe_layer, plan, traffic, hidden.shape[1] * hidden.element_size(), dropped.numpy())
         self._moe_seconds += time.perf_counter() - started

@@ -16,6 +16,8 @@ Two implementations behind one function:
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -38,7 +40,10 @@ def grouped_swiglu(
     if sum(counts) != x.shape[0]:
         raise ValueError(f"slot counts sum to {sum(counts)} but x has {x.shape[0]} rows")
     if x.is_cuda and _can_grouped_mm(x, w13):
-        return _grouped_swiglu_cuda(x, counts, w13, w2)
+        try:
+            return _grouped_swiglu_cuda(x, counts, w13, w2)
+        except RuntimeError as error:  # layouts this torch build's kernel refuses: the loop is exact too
+            warnings.warn(f"torch._grouped_mm failed ({error}); using per-expert GEMMs", stacklevel=2)
     return _grouped_swiglu_loop(x, counts, w13, w2)
 
 

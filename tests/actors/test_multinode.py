@@ -1,0 +1,45 @@
+"""Expert workers spread over the nodes of a real multi-node Ray cluster (on one machine)."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from ep_helpers import GREEDY, cluster_config, prompts, reference_engine
+from raymoe.cluster.deploy import deploy
+
+
+@pytest.fixture(scope="module")
+def three_nodes():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_strict_spread_puts_workers_on_different_nodes_and_outputs_do_not_change(three_nodes, tiny_mixtral_dir):
+    batch = prompts(4, seed=11)
+    expected = [o.output_token_ids for o in reference_engine(tiny_mixtral_dir).generate(batch, GREEDY)]
+    config = cluster_config(
+        tiny_mixtral_dir, expert_workers=3, routers=1,
+        placement={"strategy": "round_robin", "redundant_slots_per_worker": 1, "node_strategy": "STRICT_SPREAD"},
+    )
+    deployment = deploy(config, name="ep-multinode")
+    try:
+        assert len(set(deployment.worker_nodes)) == 3
+        assert sorted(deployment.placement.worker2node.tolist()) == [0, 1, 2]
+        infos = ray.get([w.info.remote() for w in deployment.workers])
+        assert len({info["node_id"] for info in infos}) == 3  # the actors really run there
+        assert [o.output_token_ids for o in deployment.generate(batch, GREEDY)] == expected
+    finally:
+        deployment.shutdown()
+
+
+def test_strict_spread_beyond_the_nodes_is_a_clear_error(three_nodes, tiny_mixtral_dir):
+    config = cluster_config(tiny_mixtral_dir, expert_workers=4, placement={"node_strategy": "STRICT_SPREAD"})
+    with pytest.raises(RuntimeError, match="could not reserve 4 expert-worker bundles"):
+        deploy(config, name="ep-too-many", ready_timeout_s=5)
