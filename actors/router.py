@@ -1,16 +1,20 @@
 """The router actor: owns its requests, the dense weights, the KV cache and the gate.
 
-It runs the in-process engine's loop with :class:`~raymoe.engine.remote_experts.RemoteExperts`
-as the expert backend: at each step it asks every expert worker to serve the step, then walks
-the layers, dispatching and combining over its communicator group (rank 0 = this router).
-Operators find it as ``Router`` in ``ray list actors``.
+It runs the in-process engine's loop on a background thread with
+:class:`~raymoe.engine.remote_experts.RemoteExperts` as the expert backend: every step asks
+each expert worker to serve that step, then walks the layers, dispatching and combining over
+the router's communicator group (rank 0 = this router). Requests arrive through actor calls
+and their tokens stream back as they are sampled. Operators find it as ``Router`` in
+``ray list actors``.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import ray
 import torch
@@ -27,6 +31,29 @@ from raymoe.moe.placement import PlacementTable
 # A worker that answers late still has to be waited for at the end of a step, but never longer
 # than the collectives' own deadline plus this slack.
 STEP_WAIT_SLACK_S = 5.0
+IDLE_WAIT_S = 0.5  # the step thread re-checks for shutdown this often when idle
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """What one step added to one request: sent back to the caller as it happens."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[Any]
+    finished: bool
+    finish_reason: str | None
+    stop_text_index: int | None
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class StepFailure:
+    """The step that carried the request failed; the caller gets this instead of tokens."""
+
+    request_id: str
+    message: str
 
 
 class Router:
@@ -55,7 +82,11 @@ class Router:
             model_dir, engine_config, experts=self.experts, detokenize=tokenizer.decode if tokenizer else None
         )
         self._pending: list[Any] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the engine: steps, adds, aborts, scoring
+        self._work = threading.Condition(self._lock)
+        self._queues: dict[str, queue.Queue] = {}
+        self._stopped = False
+        self._thread: threading.Thread | None = None
 
     # ---- communicator group ---------------------------------------------------------
     def rendezvous(self) -> Any:
@@ -68,6 +99,8 @@ class Router:
         self.experts.comm = make_communicator(
             self.backend, rendezvous, rank=0, world_size=1 + len(self.workers), timeout_s=self.timeout_s, device=device
         )
+        self._thread = threading.Thread(target=self._step_loop, name=f"{self.router_id}-steps", daemon=True)
+        self._thread.start()
 
     def _start_step(self) -> None:
         self._pending = [worker.serve_step.remote(self.router_id) for worker in self.workers]
@@ -76,22 +109,95 @@ class Router:
         pending, self._pending = self._pending, []
         return ray.get(pending, timeout=self.timeout_s + STEP_WAIT_SLACK_S)
 
+    # ---- the step loop ----------------------------------------------------------------
+    def _step_loop(self) -> None:
+        while True:
+            with self._work:
+                while not self._stopped and not self.engine.has_unfinished():
+                    self._work.wait(IDLE_WAIT_S)
+                if self._stopped:
+                    return
+                try:
+                    outputs = self.engine.step()
+                except Exception as error:  # the step failed: every request in flight hears why
+                    self._fail_all(f"{type(error).__name__}: {error}")
+                    continue
+            for output in outputs:
+                self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        target = self._queues.get(output.request_id)
+        if target is None:
+            return
+        target.put(TokenDelta(
+            output.request_id, output.new_token_ids, output.new_logprobs,
+            output.output_top_logprobs[-len(output.new_token_ids):], output.finished,
+            output.finish_reason, output.stop_text_index, output.num_prompt_tokens,
+        ))
+
+    def _fail_all(self, message: str) -> None:
+        for request_id in list(self._queues):
+            self.engine.abort_request(request_id)
+            self._queues[request_id].put(StepFailure(request_id, message))
+
     # ---- requests ---------------------------------------------------------------------
-    def generate(self, requests: list[tuple[str, list[int], SamplingParams]]) -> list[RequestOutput]:
-        """Run ``requests`` to completion (continuous batching among them); outputs in order."""
+    def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Iterator[Any]:
+        """Add a request and yield its :class:`TokenDelta` items as steps produce them."""
+        target = self._submit(request_id, prompt_ids, params)
+        try:
+            while True:
+                item = target.get()
+                yield item
+                if isinstance(item, StepFailure) or item.finished:
+                    return
+        finally:
+            self._forget(request_id)
+
+    def generate(self, requests: list[tuple[str, list[int], SamplingParams]]) -> list[RequestOutput | StepFailure]:
+        """Run ``requests`` to completion (batched with everything else in flight)."""
+        targets = [self._submit(*request) for request in requests]
+        finals: list[RequestOutput | StepFailure] = []
+        for (request_id, prompt_ids, params), target in zip(requests, targets):
+            tokens, logprobs, tops = [], [], []
+            while True:
+                item = target.get()
+                if isinstance(item, StepFailure):
+                    finals.append(item)
+                    break
+                tokens += item.token_ids
+                logprobs += item.logprobs
+                tops += item.top_logprobs
+                if item.finished:
+                    finals.append(RequestOutput(
+                        request_id, item.token_ids, item.logprobs, True, item.finish_reason,
+                        item.num_prompt_tokens, tokens, logprobs, tops, item.stop_text_index,
+                    ))
+                    break
+            self._forget(request_id)
+        return finals
+
+    def abort(self, request_id: str) -> None:
         with self._lock:
-            for request_id, prompt_ids, params in requests:
-                self.engine.add_request(request_id, prompt_ids, params)
-            finals: dict[str, RequestOutput] = {}
-            while len(finals) < len(requests):
-                for output in self.engine.step():
-                    if output.finished:
-                        finals[output.request_id] = output
-            return [finals[request_id] for request_id, _, _ in requests]
+            self.engine.abort_request(request_id)
+        self._forget(request_id)
+
+    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> queue.Queue:
+        target: queue.Queue = queue.Queue()
+        with self._work:
+            self.engine.add_request(request_id, prompt_ids, params)
+            self._queues[request_id] = target
+            self._work.notify()
+        return target
+
+    def _forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
 
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         with self._lock:
             return self.engine.score(prompts)
+
+    def num_unfinished(self) -> int:
+        return len(self._queues)
 
     def get_telemetry(self) -> dict[str, Any]:
         return self.telemetry.snapshot()
@@ -100,5 +206,10 @@ class Router:
         return {"router": self.router_id, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def shutdown(self) -> None:
+        with self._work:
+            self._stopped = True
+            self._work.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
         if self.experts.comm is not None:
             self.experts.comm.close()

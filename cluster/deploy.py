@@ -21,7 +21,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raymoe.actors.expert_worker import ExpertWorker
-from raymoe.actors.router import Router
+from raymoe.actors.router import Router, StepFailure
 from raymoe.cluster.config import ClusterConfig
 from raymoe.engine.checkpoint import Checkpoint
 from raymoe.engine.engine import EngineConfig, RequestOutput
@@ -33,6 +33,10 @@ from raymoe.moe.capacity import CapacityConfig
 from raymoe.moe.initial_placement import initial_placement
 from raymoe.moe.model_config import ModelConfig, load_model_config
 from raymoe.moe.placement import PlacementTable
+
+class RequestFailed(RuntimeError):
+    """A request's step failed on its router (for example a collective's deadline passed)."""
+
 
 CPU_SLIVER = 0.01  # CPU share of an actor on a CPU-only machine
 ACTOR_CONCURRENCY_SLACK = 4  # calls a worker must answer beside one serve_step per router
@@ -79,9 +83,14 @@ class Deployment:
         refs = [(share, router.generate.remote([requests[i] for i in share]))
                 for router, share in zip(self.routers, shares) if share]
         results: list[RequestOutput | None] = [None] * len(requests)
+        failures = []
         for share, ref in refs:
             for index, output in zip(share, ray.get(ref)):
+                if isinstance(output, StepFailure):
+                    failures.append(output)
                 results[index] = output
+        if failures:
+            raise RequestFailed(f"{len(failures)} of {len(requests)} requests failed: {failures[0].message}")
         return results  # type: ignore[return-value]
 
     def score(self, prompts: list[list[int]], router: int = 0):
@@ -91,6 +100,10 @@ class Deployment:
         return ray.get([router.get_telemetry.remote() for router in self.routers])
 
     def shutdown(self) -> None:
+        try:
+            ray.get([router.shutdown.remote() for router in self.routers], timeout=15)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass  # a dead or stuck router is killed below all the same
         for actor in [*self.routers, *self.workers]:
             ray.kill(actor, no_restart=True)
         remove_placement_group(self.group)
@@ -147,7 +160,8 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     router_class = ray.remote(Router)
     routers = [
         router_class.options(
-            num_cpus=0 if gpus else CPU_SLIVER, num_gpus=1 if gpus else 0, max_concurrency=2, name=f"{name}-router-{r}",
+            num_cpus=0 if gpus else CPU_SLIVER, num_gpus=1 if gpus else 0,
+            max_concurrency=config.engine.max_num_seqs + ACTOR_CONCURRENCY_SLACK, name=f"{name}-router-{r}",
         ).remote(f"router-{r}", config.model, engine_config(config), placement.to_dict(), workers,
                  backend.value, config.comm.timeout_s)
         for r in range(config.routers)

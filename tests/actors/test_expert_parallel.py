@@ -11,7 +11,7 @@ import ray
 import torch
 
 from ep_helpers import GREEDY, cluster_config, prompts, reference_engine
-from raymoe.cluster.deploy import deploy
+from raymoe.cluster.deploy import RequestFailed, deploy
 from raymoe.engine.experts import plan_layer
 from raymoe.moe.capacity import CapacityConfig
 
@@ -104,7 +104,7 @@ def test_a_worker_that_stops_answering_fails_the_step_within_the_deadline(ray_se
     try:
         os.kill(pid, signal.SIGSTOP)
         started = time.monotonic()
-        with pytest.raises(ray.exceptions.RayTaskError) as error:
+        with pytest.raises(RequestFailed) as error:
             deployment.generate(prompts(2), GREEDY)
         elapsed = time.monotonic() - started
         message = str(error.value)
