@@ -54,6 +54,7 @@ class PreparedRequest:
     stream: bool
     return_token_ids: bool
     want_logprobs: bool
+    include_usage: bool = False
 
 
 def prepare_request(endpoint: Endpoint, body: bytes | dict[str, Any], tokenizer: Tokenizer | None,
@@ -95,7 +96,9 @@ def prepare_request(endpoint: Endpoint, body: bytes | dict[str, Any], tokenizer:
             f"max_tokens={params.max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds the context "
             f"length {limits.max_model_len}", param="max_tokens", code="context_length_exceeded",
         )
-    return PreparedRequest(endpoint, prompt_ids, params, request.stream, request.return_token_ids, want_logprobs)
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    return PreparedRequest(endpoint, prompt_ids, params, request.stream, request.return_token_ids, want_logprobs,
+                           include_usage)
 
 
 def _completion_prompt(prompt: str | list[int | str], tokenizer: Tokenizer | None,

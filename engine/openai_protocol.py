@@ -30,6 +30,10 @@ class RequestError(ValueError):
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
 
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
 class _Sampling(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
@@ -42,6 +46,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     return_token_ids: bool = False
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
 

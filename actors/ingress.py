@@ -1,0 +1,231 @@
+"""The OpenAI-compatible HTTP endpoint: a Ray Serve deployment with a FastAPI ingress.
+
+The ingress owns the deployment it serves: its constructor starts the expert workers and
+routers a cluster config describes (cluster/deploy.py), so they live and die with it. Per
+request it validates and tokenizes the body (engine/completions.py; nothing malformed
+reaches a router), picks the router with the fewest requests in flight, and relays the
+router's token stream, as Server-Sent Events when asked.
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the route signatures'
+# annotations at runtime (a string `Request` would become a query parameter).
+import asyncio
+import itertools
+import json
+import time
+from typing import Any, AsyncIterator
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from raymoe.actors.router import StepFailure
+from raymoe.actors.serving_metrics import ServingMetrics
+from raymoe.cluster.config import ClusterConfig, parse_cluster_config
+from raymoe.engine.completions import (
+    Endpoint, ModelLimits, PreparedRequest, logprobs_body, prepare_request, response_body,
+)
+from raymoe.engine.engine import RequestOutput
+from raymoe.engine.openai_protocol import RequestError, new_id
+from raymoe.engine.stream_text import TextStream
+from raymoe.engine.tokenizer import Tokenizer
+
+HEALTH_TIMEOUT_S = 5.0
+
+app = FastAPI(title="raymoe", description="OpenAI-compatible MoE serving with expert parallelism on Ray")
+
+
+def error_response(error: RequestError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(RequestError(str(exc.detail), status=exc.status_code, error_type=kind))
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return error_response(RequestError(f"invalid request: {exc.errors()}"[:1000]))
+
+
+@serve.deployment(name="raymoe", num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.01})
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, config: dict[str, Any]):
+        from raymoe.cluster.deploy import deploy, engine_config
+
+        self.config: ClusterConfig = parse_cluster_config(config)
+        self.deployment = deploy(self.config, name="raymoe")
+        model = self.deployment.model_config
+        model_dir = self.config.model
+        try:
+            self.tokenizer: Tokenizer | None = Tokenizer(model_dir)
+        except FileNotFoundError:
+            self.tokenizer = None
+        name = self.config.serve.served_model_name or model_dir.rstrip("/").rsplit("/", 1)[-1]
+        max_len = min(engine_config(self.config).max_model_len or model.max_position_embeddings,
+                      model.max_position_embeddings)
+        self.limits = ModelLimits(name, model.vocab_size, max_len)
+        self.metrics = ServingMetrics(self.deployment.placement.slots_per_worker)
+        self.in_flight = [0] * len(self.deployment.routers)
+        self.created = int(time.time())
+        self._ids = itertools.count()
+
+    # ---- OpenAI routes -----------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, Endpoint.COMPLETIONS)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, Endpoint.CHAT)
+
+    @app.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": self.limits.name, "object": "model", "created": self.created, "owned_by": "raymoe",
+             "max_model_len": self.limits.max_model_len}
+        ]}
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        actors = [*self.deployment.routers, *self.deployment.workers]
+        try:
+            await asyncio.wait_for(asyncio.gather(*[a.info.remote() for a in actors]), HEALTH_TIMEOUT_S)
+        except Exception as error:  # any actor that does not answer makes the service unhealthy
+            return JSONResponse({"status": "unhealthy", "reason": f"{type(error).__name__}: {error}"[:500]},
+                                status_code=503)
+        return JSONResponse({"status": "ok", "routers": len(self.deployment.routers),
+                             "expert_workers": len(self.deployment.workers)})
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        try:
+            telemetry = await asyncio.wait_for(
+                asyncio.gather(*[r.get_telemetry.remote() for r in self.deployment.routers]), HEALTH_TIMEOUT_S)
+        except Exception:  # still expose the request metrics when a router is slow
+            telemetry = []
+        return Response(self.metrics.render(list(telemetry)), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- serving one request -----------------------------------------------------------
+    async def _serve(self, request: Request, endpoint: Endpoint) -> Response:
+        arrived = time.perf_counter()
+        label = endpoint.name.lower()
+        try:
+            body = await self._read_body(request)
+            prepared = prepare_request(endpoint, body, self.tokenizer, self.limits)
+        except RequestError as error:
+            self.metrics.requests.labels(label, str(error.status)).inc()
+            return error_response(error)
+        request_id = new_id("chatcmpl" if endpoint is Endpoint.CHAT else "cmpl")
+        router = min(range(len(self.in_flight)), key=lambda i: (self.in_flight[i], i))
+        self.in_flight[router] += 1
+        stream = self.deployment.routers[router].stream.options(num_returns="streaming").remote(
+            request_id, prepared.prompt_ids, prepared.params)
+        self.metrics.prompt_tokens.inc(len(prepared.prompt_ids))
+        deltas = self._deltas(stream, router, request_id, arrived, label)
+        if prepared.stream:
+            return StreamingResponse(self._sse(prepared, deltas, request_id), media_type="text/event-stream")
+        output = None
+        async for output in deltas:
+            if isinstance(output, StepFailure):
+                return error_response(RequestError(f"the request failed: {output.message}", status=503,
+                                                   error_type="server_error", code="step_failed"))
+        return JSONResponse(response_body(prepared, output, self.tokenizer, request_id, self.limits.name))
+
+    async def _read_body(self, request: Request) -> bytes:
+        cap = self.config.serve.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > cap:
+            raise RequestError(f"the request body exceeds {cap} bytes", status=413, code="body_too_large")
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > cap:
+                raise RequestError(f"the request body exceeds {cap} bytes", status=413, code="body_too_large")
+        return body
+
+    async def _deltas(self, stream, router: int, request_id: str, arrived: float,
+                      label: str) -> AsyncIterator[RequestOutput | StepFailure]:
+        """The router's token deltas folded into a growing RequestOutput (or a StepFailure)."""
+        tokens, logprobs, tops = [], [], []
+        last = None
+        status = "200"
+        try:
+            async for ref in stream:
+                item = await ref
+                if isinstance(item, StepFailure):
+                    status = "503"
+                    yield item
+                    return
+                now = time.perf_counter()
+                if last is None:
+                    self.metrics.ttft.observe(now - arrived)
+                else:
+                    for _ in item.token_ids:
+                        self.metrics.itl.observe((now - last) / len(item.token_ids))
+                last = now
+                tokens += item.token_ids
+                logprobs += item.logprobs
+                tops += item.top_logprobs
+                self.metrics.output_tokens.inc(len(item.token_ids))
+                yield RequestOutput(request_id, item.token_ids, item.logprobs, item.finished, item.finish_reason,
+                                    item.num_prompt_tokens, tokens, logprobs, tops, item.stop_text_index)
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "499"  # the client went away: free the router's slot and KV blocks
+            self.deployment.routers[router].abort.remote(request_id)
+            raise
+        finally:
+            self.in_flight[router] -= 1
+            self.metrics.requests.labels(label, status).inc()
+            self.metrics.e2e.observe(time.perf_counter() - arrived)
+
+    async def _sse(self, prepared: PreparedRequest, deltas, request_id: str) -> AsyncIterator[str]:
+        chat = prepared.endpoint is Endpoint.CHAT
+        text = TextStream(self.tokenizer.decode if self.tokenizer else (lambda ids: ""), prepared.params.stop)
+        sent_tokens = 0
+        output = None
+        async for output in deltas:
+            if isinstance(output, StepFailure):
+                error = RequestError(f"the request failed: {output.message}", status=503, error_type="server_error",
+                                     code="step_failed")
+                yield f"data: {json.dumps(error.body())}\n\n"
+                break
+            piece = text.update(output.output_token_ids, output.finished, output.stop_text_index)
+            choice: dict[str, Any] = {"index": 0, "finish_reason": output.finish_reason}
+            if chat:
+                choice["delta"] = {"role": "assistant", "content": piece} if sent_tokens == 0 else {"content": piece}
+            else:
+                choice["text"] = piece
+            choice["logprobs"] = (logprobs_body(output, self.tokenizer, chat, start=sent_tokens)
+                                  if prepared.want_logprobs else None)
+            if prepared.return_token_ids:
+                choice["token_ids"] = output.output_token_ids[sent_tokens:]
+                if sent_tokens == 0:
+                    choice["prompt_token_ids"] = prepared.prompt_ids
+            sent_tokens = len(output.output_token_ids)
+            yield f"data: {json.dumps(self._chunk(request_id, chat, [choice]))}\n\n"
+        if prepared.include_usage and output is not None and not isinstance(output, StepFailure):
+            usage = {"prompt_tokens": len(prepared.prompt_ids), "completion_tokens": sent_tokens,
+                     "total_tokens": len(prepared.prompt_ids) + sent_tokens}
+            yield f"data: {json.dumps(dict(self._chunk(request_id, chat, []), usage=usage))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def _chunk(self, request_id: str, chat: bool, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.limits.name, "choices": choices}
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """App builder for ``serve run`` / ``serve deploy``: ``args`` is a raymoe cluster config.
+
+    ``import_path: raymoe.actors.ingress:build_app`` with the config's fields under ``args``.
+    """
+    config = parse_cluster_config(dict(args))  # validate here: errors surface before any actor starts
+    return OpenAIIngress.bind(config.to_dict())
