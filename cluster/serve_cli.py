@@ -78,7 +78,10 @@ def _run(args: argparse.Namespace) -> int:
         serve.start(http_options={"host": config.serve.host, "port": config.serve.port})
         serve.run(OpenAIIngress.bind(config.to_dict()), name="raymoe", route_prefix="/")
         if not _wait_healthy(url, stop):
-            print("raymoe serve: the endpoint did not become healthy", file=sys.stderr)
+            if stop.is_set():
+                print("raymoe serve: interrupted before the endpoint was ready; shutting down", file=sys.stderr)
+                return 0
+            print(f"raymoe serve: the endpoint did not become healthy in {READY_TIMEOUT_S} s", file=sys.stderr)
             return 1
         print(f"raymoe serve: ready at {url}/v1 (OpenAI API; health at {url}/health, metrics at {url}/metrics)",
               flush=True)

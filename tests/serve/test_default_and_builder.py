@@ -1,0 +1,55 @@
+"""`raymoe serve` with no config (the README's command), and the `serve run` app builder."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+import ray
+from ray import serve
+
+from raymoe.actors.ingress import build_app
+from raymoe.cluster.config import ConfigError
+from server_process import ServerProcess, free_port
+
+
+def complete(url: str, body: dict) -> dict:
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def test_serve_without_a_config_writes_the_demo_and_answers(tmp_path):
+    # The README's command, `raymoe serve`, here on a free port and a private cache directory.
+    server = ServerProcess(None, str(tmp_path / "serve.log"), env={"RAYMOE_CACHE": str(tmp_path / "cache")})
+    try:
+        server.wait_ready()
+        assert (tmp_path / "cache" / "demo-mixtral" / "config.json").is_file()
+        with urllib.request.urlopen(f"{server.url}/health", timeout=30) as response:
+            assert json.loads(response.read()) == {"status": "ok", "routers": 2, "expert_workers": 4}
+        body = complete(server.url, {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert body["usage"]["completion_tokens"] == 4
+        assert "ready at" in server.tail()
+    finally:
+        assert server.stop() == 0, server.tail()
+
+
+def test_app_builder_serves_the_same_config(tiny_mixtral_dir):
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = {"model": tiny_mixtral_dir, "device": "cpu", "dtype": "float32", "routers": 1, "expert_workers": 2}
+        serve.run(build_app(args), name="raymoe", route_prefix="/")
+        body = complete(f"http://127.0.0.1:{port}", {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0})
+        assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] <= 3
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_app_builder_refuses_a_bad_config_before_starting_anything():
+    with pytest.raises(ConfigError, match="routers"):
+        build_app({"model": "/nowhere", "routers": 0})

@@ -1,0 +1,172 @@
+"""`raymoe serve` over real HTTP with the official openai client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from raymoe.engine.engine import EngineConfig, LLMEngine
+from raymoe.engine.sampling_params import SamplingParams
+from raymoe.engine.tokenizer import Tokenizer
+from server_process import ServerProcess
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def server(tiny_mixtral_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve")
+    config = folder / "cluster.yaml"
+    config.write_text(
+        f"model: {tiny_mixtral_dir}\ndevice: cpu\ndtype: float32\nrouters: 2\nexpert_workers: 2\n"
+        "placement:\n  strategy: round_robin\n  redundant_slots_per_worker: 1\n"
+        "serve:\n  host: 127.0.0.1\n  port: 8000\n  served_model_name: tiny\n"
+    )
+    process = ServerProcess(str(config), str(folder / "serve.log"))
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        code = process.stop()
+        assert code == 0, process.tail()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_mixtral_dir):
+    return LLMEngine.from_pretrained(tiny_mixtral_dir, EngineConfig(dtype="float32"))
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_greedy_completions_on_token_ids_equal_the_in_process_engine(client, reference):
+    prompts = [[10, 11, 12], list(range(40, 60)), [7]]
+    expected = reference.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    for prompt, want in zip(prompts, expected):
+        response = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        choice = response.choices[0]
+        assert choice.model_extra["token_ids"] == want.output_token_ids
+        assert choice.model_extra["prompt_token_ids"] == prompt
+        assert response.usage.completion_tokens == MAX_TOKENS
+        assert choice.finish_reason == "length"
+
+
+def test_streamed_text_equals_non_streamed_text(client):
+    for prompt, stop in (("Hello world", None), ("The sea and the sky", [" the"])):
+        kwargs = dict(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stop=stop,
+                      extra_body={"ignore_eos": True})
+        whole = client.completions.create(**kwargs).choices[0].text
+        pieces, reasons = [], []
+        for chunk in client.completions.create(stream=True, **kwargs):
+            pieces.append(chunk.choices[0].text)
+            reasons.append(chunk.choices[0].finish_reason)
+        assert "".join(pieces) == whole
+        assert reasons[-1] in ("length", "stop") and all(r is None for r in reasons[:-1])
+
+
+def test_32_concurrent_requests_all_succeed(client):
+    def one(i: int) -> int:
+        response = client.completions.create(model="tiny", prompt=[5 + i, 6 + i, 7], max_tokens=6, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        return response.usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        assert list(pool.map(one, range(32))) == [6] * 32
+
+
+def test_chat_works_with_the_template(client, tiny_mixtral_dir, reference):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                              extra_body={"ignore_eos": True})
+    tokenizer = Tokenizer(tiny_mixtral_dir)
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    expected = reference.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == tokenizer.decode(expected.output_token_ids)
+    assert response.usage.prompt_tokens == len(prompt)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert streamed == response.choices[0].message.content
+
+
+BAD_REQUESTS = [
+    ("bad json", "/v1/completions", b"{not json", 400),
+    ("missing prompt", "/v1/completions", {"max_tokens": 3}, 400),
+    ("prompt mistyped", "/v1/completions", {"prompt": 12}, 400),
+    ("max_tokens mistyped", "/v1/completions", {"prompt": "hi", "max_tokens": "lots"}, 400),
+    ("temperature out of range", "/v1/completions", {"prompt": "hi", "temperature": -1}, 400),
+    ("top_p out of range", "/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400),
+    ("top_k out of range", "/v1/completions", {"prompt": "hi", "top_k": -7}, 400),
+    ("max_tokens zero", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
+    ("token id outside vocab", "/v1/completions", {"prompt": [1, 10**7]}, 400),
+    ("prompt beyond context", "/v1/completions", {"prompt": [5] * 300}, 400),
+    ("max_tokens beyond context", "/v1/completions", {"prompt": [5, 6], "max_tokens": 100000}, 400),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404),
+    ("chat without messages", "/v1/chat/completions", {"model": "tiny"}, 400),
+    ("n > 1", "/v1/completions", {"prompt": "hi", "n": 2}, 400),
+    ("body too large", "/v1/completions", {"prompt": "x" * (2 << 20)}, 413),
+    ("unknown route", "/v1/embeddings", {"input": "hi"}, 404),
+]
+
+
+def post(url: str, body) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.mark.parametrize("name, path, body, status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_requests_get_openai_errors(server, name, path, body, status):
+    code, payload = post(server.url + path, body)
+    assert code == status, payload
+    assert set(payload["error"]) == {"message", "type", "param", "code"}
+    assert payload["error"]["message"]
+
+
+def test_server_still_answers_after_bad_requests(server, client):
+    for _, path, body, _ in BAD_REQUESTS:
+        post(server.url + path, body)
+    response = client.completions.create(model="tiny", prompt=[9, 9], max_tokens=2, temperature=0)
+    assert response.choices[0].finish_reason in ("length", "stop")
+
+
+def test_metrics_parse_as_prometheus_text(server, client):
+    client.completions.create(model="tiny", prompt=[4, 5, 6], max_tokens=3, temperature=0)
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("raymoe_requests", "raymoe_time_to_first_token_seconds", "raymoe_inter_token_latency_seconds",
+                 "raymoe_e2e_request_latency_seconds", "raymoe_prompt_tokens", "raymoe_generation_tokens",
+                 "raymoe_worker_routed_tokens", "raymoe_dropped_tokens", "raymoe_balancedness"):
+        assert name in families, name
+    ok = [s for s in families["raymoe_requests"].samples if s.labels.get("status") == "200" and s.name.endswith("_total")]
+    assert sum(s.value for s in ok) >= 1
+    routed = [s.value for s in families["raymoe_worker_routed_tokens"].samples]
+    assert len(routed) == 2 and all(v > 0 for v in routed)
+    balance = families["raymoe_balancedness"].samples[0].value
+    assert 0 < balance <= 1
+
+
+def test_health_reports_every_actor(server):
+    with urllib.request.urlopen(f"{server.url}/health", timeout=30) as response:
+        payload = json.loads(response.read())
+    assert payload == {"status": "ok", "routers": 2, "expert_workers": 2}
