@@ -4,6 +4,10 @@ It holds the weights of its physical slots for every MoE layer, read straight fr
 checkpoint (only its own experts), joins one communicator group per router, and serves a
 router's step when asked: for every MoE layer, receive rows, run its slots, send sums back
 (engine/ep_exchange.py). Operators find it as ``ExpertWorker`` in ``ray list actors``.
+
+Weights live in a per-layer pool a little larger than the worker's slots. Each placement
+epoch maps slots to pool rows, so a migration stages new experts into free rows while every
+router keeps serving with the epoch it uses; rows are freed when no epoch uses them.
 """
 
 from __future__ import annotations
@@ -25,28 +29,40 @@ from raymoe.moe.placement import PlacementTable
 
 
 class ExpertWorker:
-    def __init__(self, worker: int, model_dir: str, dtype: str, device: str, placement: dict[str, Any]):
+    def __init__(self, worker: int, model_dir: str, dtype: str, device: str, placement: dict[str, Any],
+                 spare_rows: int = 0):
         self.worker = worker
         self.config = load_model_config(model_dir)
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self.dtype = resolve_dtype(dtype, self.config, self.device)
-        self.placement = PlacementTable.from_dict(placement)
+        table = PlacementTable.from_dict(placement)
+        self.slots = table.slots_per_worker
+        self.num_layers = table.num_layers
         checkpoint = Checkpoint(model_dir)
-        self.w13: list[torch.Tensor] = []
-        self.w2: list[torch.Tensor] = []
+        self.w13: list[torch.Tensor] = []  # per MoE layer: [S + spare, 2I, D]
+        self.w2: list[torch.Tensor] = []  # per MoE layer: [S + spare, D, I]
+        padding = [-1] * spare_rows
         for moe_layer, layer in enumerate(self.config.moe_layers):
-            experts = self.placement.worker_experts(moe_layer, worker)
+            experts = table.worker_experts(moe_layer, worker) + padding
             w13, w2 = load_expert_stack(checkpoint, self.config, layer, experts, self.dtype, self.device)
             self.w13.append(w13)
             self.w2.append(w2)
+        # epoch -> per layer, the pool row serving each of this worker's slots
+        self.slot_rows: dict[int, list[list[int]]] = {
+            table.epoch: [list(range(self.slots)) for _ in range(self.num_layers)]}
+        self.experts: dict[int, list[list[int]]] = {
+            table.epoch: [table.worker_experts(layer, worker) for layer in range(self.num_layers)]}
+        self.staged: dict[tuple[int, int, int], int] = {}  # (epoch, layer, slot) -> pool row
         self.comms: dict[str, Communicator] = {}
 
     def info(self) -> dict[str, Any]:
+        latest = max(self.experts)
         return {
             "worker": self.worker,
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
-            "experts": [self.placement.worker_experts(layer, self.worker) for layer in range(self.placement.num_layers)],
+            "epochs": sorted(self.slot_rows),
+            "experts": self.experts[latest],
         }
 
     def join(self, router_id: str, backend: str, rendezvous: Any, world_size: int, timeout_s: float) -> None:
@@ -56,20 +72,75 @@ class ExpertWorker:
             timeout_s=timeout_s, device=self.device if self.device.type == "cuda" else None,
         )
 
-    def serve_step(self, router_id: str) -> dict[str, list]:
-        """Serve every MoE layer of one of ``router_id``'s steps, in order."""
+    def serve_step(self, router_id: str, epoch: int) -> dict[str, list]:
+        """Serve every MoE layer of one of ``router_id``'s steps, in order, with ``epoch``'s slots."""
         comm = self.comms[router_id]
+        if epoch not in self.slot_rows:
+            raise RuntimeError(f"worker {self.worker} has no placement epoch {epoch} (has {sorted(self.slot_rows)})")
+        slot_rows = self.slot_rows[epoch]
         rows, assignments, compute_s = [], [], []
         with torch.inference_mode():
-            for moe_layer in range(self.placement.num_layers):
+            for moe_layer in range(self.num_layers):
                 result = worker_exchange(
-                    comm, self.w13[moe_layer], self.w2[moe_layer], self.config.hidden_size,
+                    comm, self.w13[moe_layer], self.w2[moe_layer], slot_rows[moe_layer], self.config.hidden_size,
                     self.config.top_k, self.dtype, self.device, moe_layer,
                 )
                 rows.append(result.rows)
                 assignments.append(result.assignments)
                 compute_s.append(result.compute_s)
         return {"worker": self.worker, "rows": rows, "assignments": assignments, "compute_s": compute_s}
+
+    # ---- migration ------------------------------------------------------------------
+    def export_expert(self, epoch: int, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of ``expert``'s weights at MoE layer ``layer`` as served in ``epoch``."""
+        slot = self.experts[epoch][layer].index(expert)
+        row = self.slot_rows[epoch][layer][slot]
+        return self.w13[layer][row].cpu().clone(), self.w2[layer][row].cpu().clone()
+
+    def stage_expert(self, epoch: int, layer: int, slot: int, weights: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Write an incoming expert into a free pool row, to serve local ``slot`` from ``epoch`` on."""
+        used = {r for rows in self.slot_rows.values() for r in rows[layer]}
+        used |= {row for (_, staged_layer, _), row in self.staged.items() if staged_layer == layer}
+        free = [r for r in range(self.w13[layer].shape[0]) if r not in used]
+        if not free:
+            raise RuntimeError(
+                f"worker {self.worker} layer {layer}: no free pool row to stage into; lower "
+                "balancer.max_copies_per_rebalance or retire old epochs first"
+            )
+        w13, w2 = weights
+        self.w13[layer][free[0]].copy_(w13.to(self.device))
+        self.w2[layer][free[0]].copy_(w2.to(self.device))
+        self.staged[(epoch, layer, slot)] = free[0]
+
+    def activate(self, epoch: int, base_epoch: int, placement: dict[str, Any]) -> None:
+        """Serve ``epoch``: ``base_epoch``'s rows, with this epoch's staged experts swapped in."""
+        table = PlacementTable.from_dict(placement)
+        rows = [list(layer_rows) for layer_rows in self.slot_rows[base_epoch]]
+        for (staged_epoch, layer, slot), row in list(self.staged.items()):
+            if staged_epoch == epoch:
+                rows[layer][slot] = row
+                del self.staged[(staged_epoch, layer, slot)]
+        experts = [table.worker_experts(layer, self.worker) for layer in range(self.num_layers)]
+        base_rows, base_experts = self.slot_rows[base_epoch], self.experts[base_epoch]
+        for layer in range(self.num_layers):
+            for slot, expert in enumerate(experts[layer]):
+                if expert == base_experts[layer][slot] or rows[layer][slot] != base_rows[layer][slot]:
+                    continue  # unchanged, or staged above
+                if expert in base_experts[layer]:  # already held in another slot: re-point, no copy
+                    rows[layer][slot] = base_rows[layer][base_experts[layer].index(expert)]
+                elif expert >= 0:
+                    raise RuntimeError(
+                        f"worker {self.worker}: epoch {epoch} puts expert {expert} in layer {layer} slot {slot} "
+                        f"but it was neither staged nor held here (the slot held expert {base_experts[layer][slot]})"
+                    )
+        self.slot_rows[epoch] = rows
+        self.experts[epoch] = experts
+
+    def retire(self, epochs_below: int) -> None:
+        """Forget every epoch older than ``epochs_below``; their pool rows become free."""
+        for epoch in [e for e in self.slot_rows if e < epochs_below]:
+            del self.slot_rows[epoch]
+            del self.experts[epoch]
 
     def shutdown(self) -> None:
         for comm in self.comms.values():

@@ -73,7 +73,8 @@ class Router:
         self.timeout_s = timeout_s
         self.placement = PlacementTable.from_dict(placement)
         config = load_model_config(model_dir)
-        self.telemetry = Telemetry(self.placement.num_layers, self.placement.num_slots, self.placement.num_workers)
+        self.telemetry = Telemetry(self.placement.num_layers, self.placement.num_slots, self.placement.num_workers,
+                                   num_experts=self.placement.num_experts)
         self.experts = RemoteExperts(
             self.placement, config.top_k, engine_config.capacity, self._start_step, self._finish_step, self.telemetry
         )
@@ -102,8 +103,8 @@ class Router:
         self._thread = threading.Thread(target=self._step_loop, name=f"{self.router_id}-steps", daemon=True)
         self._thread.start()
 
-    def _start_step(self) -> None:
-        self._pending = [worker.serve_step.remote(self.router_id) for worker in self.workers]
+    def _start_step(self, epoch: int) -> None:
+        self._pending = [worker.serve_step.remote(self.router_id, epoch) for worker in self.workers]
 
     def _finish_step(self) -> list[dict[str, Any]]:
         pending, self._pending = self._pending, []
@@ -201,6 +202,19 @@ class Router:
 
     def get_telemetry(self) -> dict[str, Any]:
         return self.telemetry.snapshot()
+
+    def expert_loads_since(self, cursor: int) -> tuple[int, Any]:
+        return self.telemetry.expert_loads_since(cursor)
+
+    def set_placement(self, placement: dict[str, Any]) -> int:
+        """Switch to a new placement at the next step boundary; returns once switched."""
+        table = PlacementTable.from_dict(placement)
+        with self._lock:  # the step loop holds it for a whole step
+            self.experts.set_placement(table)
+        return table.epoch
+
+    def placement_epoch(self) -> int:
+        return self.experts.placement.epoch
 
     def info(self) -> dict[str, Any]:
         return {"router": self.router_id, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}

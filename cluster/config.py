@@ -41,6 +41,7 @@ import yaml
 
 from raymoe.cluster.config_errors import ConfigError, describe_validation_error
 from raymoe.kernels.comm.factory import CommBackend
+from raymoe.moe.balancer import BalancerAlgorithm
 from raymoe.moe.capacity import OverflowPolicy
 
 if TYPE_CHECKING:
@@ -119,6 +120,19 @@ class CapacitySection(_Section):
     overflow: OverflowPolicy = OverflowPolicy.NONE
 
 
+class BalancerSection(_Section):
+    """The controller: telemetry-driven replication and migration of hot experts."""
+
+    enabled: bool = True
+    window_steps: Positive = 1000  # sliding window of router steps (vLLM's default)
+    interval_steps: Positive = 100  # router steps between two decisions
+    threshold: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.8  # rebalance only below this balancedness
+    min_gain: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.05  # ...and when the plan gains at least this
+    algorithm: BalancerAlgorithm = BalancerAlgorithm.MIGRATION
+    max_copies_per_rebalance: Positive = 8  # expert copies per layer and rebalance
+    poll_interval_s: PositiveFloat = 1.0  # how often the controller reads the routers' telemetry
+
+
 class EngineSection(_Section):
     max_num_seqs: Positive = 256
     max_num_batched_tokens: Positive = 4096
@@ -143,6 +157,7 @@ class ClusterConfig(_Section):
     placement: PlacementSection = PlacementSection()
     comm: CommSection = CommSection()
     capacity: CapacitySection = CapacitySection()
+    balancer: BalancerSection = BalancerSection()
     engine: EngineSection = EngineSection()
     serve: ServeSection = ServeSection()
 

@@ -17,14 +17,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+import torch
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raymoe.actors.controller import Controller
 from raymoe.actors.expert_worker import ExpertWorker
 from raymoe.actors.router import Router, StepFailure
 from raymoe.cluster.config import ClusterConfig
 from raymoe.engine.checkpoint import Checkpoint
-from raymoe.engine.engine import EngineConfig, RequestOutput
+from raymoe.engine.engine import EngineConfig, RequestOutput, resolve_dtype
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.scheduler import SchedulerConfig
 from raymoe.engine.weights import validate_checkpoint
@@ -33,6 +35,7 @@ from raymoe.moe.capacity import CapacityConfig
 from raymoe.moe.initial_placement import initial_placement
 from raymoe.moe.model_config import ModelConfig, load_model_config
 from raymoe.moe.placement import PlacementTable
+from raymoe.moe.rebalance_policy import RebalancePolicy
 
 class RequestFailed(RuntimeError):
     """A request's step failed on its router (for example a collective's deadline passed)."""
@@ -68,6 +71,7 @@ class Deployment:
     placement: PlacementTable
     routers: list[Any]
     workers: list[Any]
+    controller: Any
     group: Any
     worker_nodes: list[str]
     _next_request: Any = field(default_factory=itertools.count)
@@ -99,12 +103,22 @@ class Deployment:
     def telemetry(self) -> list[dict[str, Any]]:
         return ray.get([router.get_telemetry.remote() for router in self.routers])
 
+    def status(self) -> dict[str, Any]:
+        return ray.get(self.controller.status.remote())
+
+    def rebalance(self) -> dict[str, Any]:
+        return ray.get(self.controller.rebalance.remote(True))
+
     def shutdown(self) -> None:
+        try:
+            ray.get(self.controller.stop.remote(), timeout=15)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass
         try:
             ray.get([router.shutdown.remote() for router in self.routers], timeout=15)
         except (ray.exceptions.RayError, TimeoutError):
             pass  # a dead or stuck router is killed below all the same
-        for actor in [*self.routers, *self.workers]:
+        for actor in [self.controller, *self.routers, *self.workers]:
             ray.kill(actor, no_restart=True)
         remove_placement_group(self.group)
 
@@ -149,12 +163,14 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     )
     # Step 4: actors. Workers load their own experts; routers the dense weights.
     concurrency = config.routers + ACTOR_CONCURRENCY_SLACK
+    balancer = config.balancer
+    spare_rows = min(placement.slots_per_worker, balancer.max_copies_per_rebalance) if balancer.enabled else 0
     worker_class = ray.remote(ExpertWorker)
     workers = [
         worker_class.options(
             num_cpus=0 if gpus else CPU_SLIVER, num_gpus=1 if gpus else 0, max_concurrency=concurrency,
             name=f"{name}-worker-{w}", scheduling_strategy=PlacementGroupSchedulingStrategy(group, w),
-        ).remote(w, config.model, config.dtype.value, "cuda" if gpus else "cpu", placement.to_dict())
+        ).remote(w, config.model, config.dtype.value, "cuda" if gpus else "cpu", placement.to_dict(), spare_rows)
         for w in range(config.expert_workers)
     ]
     router_class = ray.remote(Router)
@@ -174,7 +190,16 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
             worker.join.remote(f"router-{index}", backend.value, rendezvous, world, config.comm.timeout_s)
             for worker in workers
         ])
-    return Deployment(config, model_config, placement, routers, workers, group, worker_nodes)
+    # Step 6: the controller (it only reads telemetry and moves weights; it holds none).
+    element = resolve_dtype(config.dtype.value, model_config, torch.device("cuda" if gpus else "cpu")).itemsize
+    expert_bytes = 3 * model_config.moe_intermediate_size * model_config.hidden_size * element
+    policy = RebalancePolicy(balancer.threshold, balancer.min_gain, balancer.algorithm, balancer.max_copies_per_rebalance)
+    controller = ray.remote(Controller).options(
+        num_cpus=0 if gpus else CPU_SLIVER, max_concurrency=4, name=f"{name}-controller",
+    ).remote(routers, workers, placement.to_dict(), policy, balancer.window_steps, balancer.interval_steps,
+             balancer.poll_interval_s, expert_bytes, balancer.enabled)
+    ray.get(controller.status.remote())  # up and reading telemetry before the first request
+    return Deployment(config, model_config, placement, routers, workers, controller, group, worker_nodes)
 
 
 def ensure_ray(address: str | None = None) -> None:

@@ -94,7 +94,7 @@ class WorkerLayerResult:
 
 
 def worker_exchange(
-    comm: Communicator, w13: torch.Tensor, w2: torch.Tensor, hidden_size: int, top_k: int,
+    comm: Communicator, w13: torch.Tensor, w2: torch.Tensor, slot_rows: list[int], hidden_size: int, top_k: int,
     dtype: torch.dtype, device: torch.device, layer: int,
 ) -> WorkerLayerResult:
     """A worker's side of one layer: receive rows and meta, run its slots, send sums back."""
@@ -112,8 +112,8 @@ def worker_exchange(
     local_slot = slots[valid]
     weight = meta[:, top_k:][valid]
     order = torch.argsort(local_slot, stable=True)
-    slot_counts = torch.bincount(local_slot, minlength=w13.shape[0]).cpu()
-    partial = run_worker_slots(rows, row_index[order], weight[order], slot_counts, w13, w2)
+    slot_counts = torch.bincount(local_slot, minlength=len(slot_rows)).cpu()
+    partial = run_worker_slots(rows, row_index[order], weight[order], slot_counts, w13, w2, slot_rows)
     compute_s = time.perf_counter() - started
     send_counts = [0] * world
     send_counts[ROUTER_RANK] = rows.shape[0]

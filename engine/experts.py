@@ -35,6 +35,7 @@ def run_worker_slots(
     slot_counts: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    slot_rows: list[int] | None = None,
 ) -> torch.Tensor:
     """One worker's share of a plan: experts over its rows, weighted, summed per row.
 
@@ -42,12 +43,12 @@ def run_worker_slots(
         rows: ``[N, D]`` received rows (one per token routed to this worker).
         assign_row: ``[A]`` row of each assignment, assignments sorted by local slot.
         assign_weight: ``[A]`` combine weights; slot_counts: ``[S]`` assignments per slot.
-        w13, w2: this worker's stacked slot weights.
+        w13, w2: this worker's stacked expert weights; slot_rows: which serves each slot.
     Returns:
         ``[N, D]`` partial sums, aligned with ``rows``.
     """
     expert_in = rows.index_select(0, assign_row)  # [A, D]
-    expert_out = grouped_swiglu(expert_in, slot_counts, w13, w2)  # [A, D]
+    expert_out = grouped_swiglu(expert_in, slot_counts, w13, w2, slot_rows)  # [A, D]
     expert_out = expert_out * assign_weight.to(expert_out.dtype).unsqueeze(1)
     return scatter_rows_add(rows.shape[0], assign_row, expert_out)
 

@@ -27,7 +27,7 @@ class RemoteExperts:
         placement: PlacementTable,
         top_k: int,
         capacity: CapacityConfig,
-        start_step: Callable[[], None],
+        start_step: Callable[[int], None],
         finish_step: Callable[[], list[Any]],
         telemetry: Telemetry,
     ):
@@ -49,6 +49,14 @@ class RemoteExperts:
             for layer in range(placement.num_layers)
         ]
 
+    def set_placement(self, placement: PlacementTable) -> None:
+        """Switch to a new placement. Call it between steps only (the router holds its engine
+        lock): a step never sees two placements, and every worker already serves its epoch."""
+        if placement.epoch < self.placement.epoch:
+            raise ValueError(f"placement epoch {placement.epoch} is older than the current {self.placement.epoch}")
+        self.placement = placement
+        self._tables = self._index_tables(placement)
+
     def forward(
         self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
@@ -57,7 +65,7 @@ class RemoteExperts:
         if moe_layer == 0:
             self._step_started = time.perf_counter()
             self._moe_seconds = 0.0
-            self.start_step()
+            self.start_step(self.placement.epoch)
         started = time.perf_counter()
         log2phy, logcnt = self._tables[moe_layer]
         plan = plan_layer(self.placement, moe_layer, topk_ids, topk_weights, self.capacity, log2phy, logcnt)
@@ -66,10 +74,13 @@ class RemoteExperts:
         if plan.num_dropped:
             home_worker = log2phy[topk_ids.cpu()[plan.slot < 0], 0] // self.placement.slots_per_worker
             dropped = torch.bincount(home_worker, minlength=self.placement.num_workers)
-        self.telemetry.record_layer(moe_layer, plan, traffic, hidden.shape[1] * hidden.element_size(), dropped.numpy())
+        kept = topk_ids.cpu()[plan.slot >= 0]
+        expert_tokens = torch.bincount(kept, minlength=self.placement.num_experts).numpy()
+        self.telemetry.record_layer(moe_layer, plan, traffic, hidden.shape[1] * hidden.element_size(),
+                                    dropped.numpy(), expert_tokens)
         self._moe_seconds += time.perf_counter() - started
         if moe_layer == self.placement.num_layers - 1:
             worker_results = self.finish_step()
             total = time.perf_counter() - self._step_started
-            self.telemetry.end_step(total - self._moe_seconds, worker_results)
+            self.telemetry.end_step(total - self._moe_seconds, worker_results, self.placement.epoch)
         return out

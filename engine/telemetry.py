@@ -24,6 +24,7 @@ from raymoe.moe.plan import DispatchPlan
 
 @dataclass
 class StepRecord:
+    epoch: int = 0
     dense_s: float = 0.0
     dispatch_s: float = 0.0
     expert_s: float = 0.0
@@ -43,9 +44,12 @@ class Telemetry:
     worker_bytes_sent: np.ndarray = field(init=False)  # [W] router -> worker payload bytes
     worker_bytes_received: np.ndarray = field(init=False)  # [W] worker -> router payload bytes
     worker_dropped: np.ndarray = field(init=False)  # [W] assignments dropped for experts homed there
+    num_experts: int = 0
     meta_bytes: int = 0
     dropped: int = 0
+    num_steps: int = 0
     steps: deque = field(init=False)
+    expert_loads: deque = field(init=False)  # (step index, [L, E] kept assignments per logical expert)
 
     def __post_init__(self) -> None:
         self.slot_tokens = np.zeros((self.num_layers, self.num_slots), dtype=np.int64)
@@ -54,10 +58,13 @@ class Telemetry:
         self.worker_bytes_received = np.zeros(self.num_workers, dtype=np.int64)
         self.worker_dropped = np.zeros(self.num_workers, dtype=np.int64)
         self.steps = deque(maxlen=self.capacity)
+        self.expert_loads = deque(maxlen=self.capacity)
         self._current = StepRecord()
+        self._current_load = np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
 
     def record_layer(
-        self, layer: int, plan: DispatchPlan, traffic: LayerTraffic, row_bytes: int, dropped_per_worker: np.ndarray
+        self, layer: int, plan: DispatchPlan, traffic: LayerTraffic, row_bytes: int, dropped_per_worker: np.ndarray,
+        expert_tokens: np.ndarray,
     ) -> None:
         """One MoE layer of the current step; drops are charged to the expert's first replica's worker."""
         self.slot_tokens[layer] += plan.slot_counts.numpy()
@@ -68,16 +75,30 @@ class Telemetry:
         self.meta_bytes += traffic.meta_bytes
         self.dropped += plan.num_dropped
         self.worker_dropped += dropped_per_worker
+        self._current_load[layer] += expert_tokens
         self._current.dispatch_s += traffic.dispatch_s
         self._current.combine_s += traffic.combine_s
         self._current.tokens = plan.num_tokens
         self._current.rows_sent += int(rows.sum())
 
-    def end_step(self, dense_s: float, worker_results: list[Any]) -> None:
+    def end_step(self, dense_s: float, worker_results: list[Any], epoch: int) -> None:
         self._current.dense_s = dense_s
         self._current.expert_s = max((sum(r["compute_s"]) for r in worker_results), default=0.0)
+        self._current.epoch = epoch
         self.steps.append(self._current)
+        self.expert_loads.append((self.num_steps, self._current_load))
+        self.num_steps += 1
         self._current = StepRecord()
+        self._current_load = np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
+
+    def expert_loads_since(self, cursor: int) -> tuple[int, np.ndarray]:
+        """Per-step logical-expert loads of the steps numbered ``>= cursor`` still in the ring.
+
+        Returns the next cursor and ``[n, L, E]``.
+        """
+        loads = [load for index, load in self.expert_loads if index >= cursor]
+        stacked = np.stack(loads) if loads else np.zeros((0, self.num_layers, self.num_experts), dtype=np.int64)
+        return self.num_steps, stacked
 
     def snapshot(self) -> dict[str, Any]:
         return {

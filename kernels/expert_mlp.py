@@ -23,31 +23,45 @@ import torch.nn.functional as F
 
 
 def grouped_swiglu(
-    x: torch.Tensor, slot_counts: torch.Tensor | list[int], w13: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor,
+    slot_counts: torch.Tensor | list[int],
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    slot_rows: list[int] | None = None,
 ) -> torch.Tensor:
     """Run each slot's expert over its contiguous block of rows.
 
     Args:
         x: ``[A, D]`` rows sorted by slot.
         slot_counts: ``[S]`` rows per slot (sums to A).
-        w13: ``[S, 2I, D]``; w2: ``[S, D, I]``.
+        w13: ``[R, 2I, D]``; w2: ``[R, D, I]``: stacked experts (R = S without ``slot_rows``).
+        slot_rows: ``[S]`` which stacked expert serves each slot (a worker's weight pool is
+            larger than its slots while a migration stages new experts).
     Returns:
         ``[A, D]`` in the same row order as ``x``.
     """
     counts = slot_counts.tolist() if isinstance(slot_counts, torch.Tensor) else list(slot_counts)
-    if len(counts) != w13.shape[0]:
-        raise ValueError(f"{len(counts)} slot counts for {w13.shape[0]} stacked experts")
+    if slot_rows is None:
+        slot_rows = list(range(w13.shape[0]))
+    if len(counts) != len(slot_rows):
+        raise ValueError(f"{len(counts)} slot counts for {len(slot_rows)} slots")
+    if any(not 0 <= r < w13.shape[0] for r in slot_rows):
+        raise ValueError(f"slot rows {slot_rows} fall outside the {w13.shape[0]} stacked experts")
     if sum(counts) != x.shape[0]:
         raise ValueError(f"slot counts sum to {sum(counts)} but x has {x.shape[0]} rows")
+    if slot_rows != list(range(w13.shape[0])):
+        return _grouped_swiglu_loop(x, counts, w13, w2, slot_rows)
     if x.is_cuda and _can_grouped_mm(x, w13):
         try:
             return _grouped_swiglu_cuda(x, counts, w13, w2)
         except RuntimeError as error:  # layouts this torch build's kernel refuses: the loop is exact too
             warnings.warn(f"torch._grouped_mm failed ({error}); using per-expert GEMMs", stacklevel=2)
-    return _grouped_swiglu_loop(x, counts, w13, w2)
+    return _grouped_swiglu_loop(x, counts, w13, w2, slot_rows)
 
 
-def _grouped_swiglu_loop(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def _grouped_swiglu_loop(
+    x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor, slot_rows: list[int]
+) -> torch.Tensor:
     out = torch.empty_like(x)
     intermediate = w2.shape[2]
     start = 0
@@ -55,9 +69,10 @@ def _grouped_swiglu_loop(x: torch.Tensor, counts: list[int], w13: torch.Tensor, 
         if count == 0:
             continue
         end = start + count
-        gate_up = F.linear(x[start:end], w13[slot])  # [n, 2I]
+        row = slot_rows[slot]
+        gate_up = F.linear(x[start:end], w13[row])  # [n, 2I]
         hidden = F.silu(gate_up[:, :intermediate], inplace=True).mul_(gate_up[:, intermediate:])  # [n, I]
-        torch.mm(hidden, w2[slot].t(), out=out[start:end])  # [n, D], written in place
+        torch.mm(hidden, w2[row].t(), out=out[start:end])  # [n, D], written in place
         start = end
     return out
 

@@ -155,6 +155,12 @@ class PlacementTable:
             phy2log, self.slots_per_worker, self.num_experts, self.worker2node, self.epoch + 1
         )
 
+    def with_layer(self, layer: int, row: np.ndarray | Sequence[int]) -> "PlacementTable":
+        """A new table, next epoch, where only ``layer``'s slots change to ``row: [P]``."""
+        phy2log = self.phy2log.copy()
+        phy2log[layer] = np.asarray(row, dtype=np.int64)
+        return self.with_phy2log(phy2log)
+
     def same_placement(self, other: "PlacementTable") -> bool:
         return (
             self.slots_per_worker == other.slots_per_worker

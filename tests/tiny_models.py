@@ -70,3 +70,18 @@ def write_checkpoint(model, path: str, dtype: torch.dtype = torch.float32, shard
     with open(os.path.join(path, "config.json"), encoding="utf-8") as handle:
         json.load(handle)  # written and readable
     return path
+
+
+def build_skewed_model(hot_experts=(0, 1), seed: int = 0):
+    """A tiny DeepSeek-V3-style model whose gate always picks ``hot_experts`` (top-2).
+
+    The score-correction bias of the hot experts is large, so they win every token's choice
+    while the weights still come from the unbiased scores: a skewed, deterministic load.
+    """
+    model = build_reference_model("deepseek_v3", seed=seed, num_experts_per_tok=2, n_group=1, topk_group=1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.zero_()
+                buffer[list(hot_experts)] = 10.0
+    return model

@@ -106,3 +106,18 @@ def test_bad_inputs_raise(counts, num_rows, num_slots) -> None:
         grouped_swiglu(x, counts, w13, w2)
     with pytest.raises(ValueError):
         grouped_swiglu(x, torch.tensor(counts, dtype=torch.int64), w13, w2)
+
+
+def test_slot_rows_pick_experts_from_a_larger_pool() -> None:
+    # A worker's pool holds more experts than slots while a migration stages new ones.
+    torch.manual_seed(0)
+    x, counts = torch.randn(9, 8), [4, 0, 5]
+    pool_w13, pool_w2 = torch.randn(5, 12, 8), torch.randn(5, 8, 6)
+    rows = [3, 0, 1]
+    out = grouped_swiglu(x, counts, pool_w13, pool_w2, slot_rows=rows)
+    expected = grouped_swiglu(x, counts, pool_w13[rows], pool_w2[rows])
+    assert torch.allclose(out, expected, atol=1e-6)
+    with pytest.raises(ValueError, match="outside"):
+        grouped_swiglu(x, counts, pool_w13, pool_w2, slot_rows=[0, 1, 5])
+    with pytest.raises(ValueError, match="slot counts for"):
+        grouped_swiglu(x, counts, pool_w13, pool_w2, slot_rows=[0, 1])
