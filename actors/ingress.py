@@ -10,7 +10,9 @@ router's token stream, as Server-Sent Events when asked.
 # No `from __future__ import annotations` here: FastAPI reads the route signatures'
 # annotations at runtime (a string `Request` would become a query parameter).
 import asyncio
+import hmac
 import itertools
+import os
 import json
 import time
 from typing import Any, AsyncIterator
@@ -57,9 +59,10 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 @serve.deployment(name="raymoe", num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.01})
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: dict[str, Any], admin_token: str | None = None):
         from raymoe.cluster.deploy import deploy, engine_config
 
+        self.admin_token = admin_token or None
         self.config: ClusterConfig = parse_cluster_config(config)
         self.deployment = deploy(self.config, name="raymoe")
         model = self.deployment.model_config
@@ -111,7 +114,37 @@ class OpenAIIngress:
                 asyncio.gather(*[r.get_telemetry.remote() for r in self.deployment.routers]), HEALTH_TIMEOUT_S)
         except Exception:  # still expose the request metrics when a router is slow
             telemetry = []
-        return Response(self.metrics.render(list(telemetry)), media_type=CONTENT_TYPE_LATEST)
+        try:
+            controller = await asyncio.wait_for(self.deployment.controller.status.remote(), HEALTH_TIMEOUT_S)
+        except Exception:  # serving goes on without a controller; so do the metrics
+            controller = None
+        return Response(self.metrics.render(list(telemetry), controller), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- admin (token in RAYMOE_ADMIN_TOKEN, sent as a Bearer token) ---------------------
+    @app.get("/admin/placement")
+    async def admin_placement(self, request: Request) -> Response:
+        refusal = self._refuse_admin(request)
+        if refusal is not None:
+            return refusal
+        status = await self.deployment.controller.status.remote()
+        return JSONResponse(status)
+
+    @app.post("/admin/rebalance")
+    async def admin_rebalance(self, request: Request) -> Response:
+        refusal = self._refuse_admin(request)
+        if refusal is not None:
+            return refusal
+        return JSONResponse(await self.deployment.controller.rebalance.remote(True))
+
+    def _refuse_admin(self, request: Request) -> Response | None:
+        if self.admin_token is None:
+            return error_response(RequestError("admin routes are disabled: start the server with "
+                                               "RAYMOE_ADMIN_TOKEN set", status=403, code="admin_disabled"))
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.admin_token}".encode()):
+            return error_response(RequestError("missing or wrong admin token (Authorization: Bearer ...)",
+                                               status=401, error_type="authentication_error", code="invalid_token"))
+        return None
 
     # ---- serving one request -----------------------------------------------------------
     async def _serve(self, request: Request, endpoint: Endpoint) -> Response:
@@ -228,4 +261,4 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     ``import_path: raymoe.actors.ingress:build_app`` with the config's fields under ``args``.
     """
     config = parse_cluster_config(dict(args))  # validate here: errors surface before any actor starts
-    return OpenAIIngress.bind(config.to_dict())
+    return OpenAIIngress.bind(config.to_dict(), os.environ.get("RAYMOE_ADMIN_TOKEN"))

@@ -30,8 +30,12 @@ class ServingMetrics:
         self.routed = Gauge("raymoe_worker_routed_tokens", "Expert assignments routed to each worker (all layers, since start)", ["worker"], registry=r)
         self.dropped = Gauge("raymoe_dropped_tokens", "Expert assignments dropped by the capacity policy (since start)", registry=r)
         self.balance = Gauge("raymoe_balancedness", "Mean over MoE layers of mean/max worker load (1 = perfect)", registry=r)
+        self.window_balance = Gauge("raymoe_window_balancedness", "Controller's window balancedness by statistic over layers", ["stat"], registry=r)
+        self.rebalances = Gauge("raymoe_rebalances", "Rebalances carried out since start", registry=r)
+        self.migration_seconds = Gauge("raymoe_migration_seconds", "Seconds spent migrating experts since start", registry=r)
+        self.bytes_moved = Gauge("raymoe_migration_bytes", "Expert weight bytes copied by rebalances since start", registry=r)
 
-    def render(self, telemetry: list[dict[str, Any]]) -> bytes:
+    def render(self, telemetry: list[dict[str, Any]], controller: dict[str, Any] | None = None) -> bytes:
         if telemetry:
             slot_tokens = np.sum([np.asarray(t["slot_tokens"], dtype=np.float64) for t in telemetry], axis=0)  # [L, P]
             worker_load = slot_tokens.reshape(slot_tokens.shape[0], -1, self.slots_per_worker).sum(axis=2)  # [L, W]
@@ -39,4 +43,10 @@ class ServingMetrics:
                 self.routed.labels(worker=str(worker)).set(tokens)
             self.dropped.set(sum(t["dropped"] for t in telemetry))
             self.balance.set(balancedness(worker_load))
+        if controller is not None:
+            self.window_balance.labels(stat="avg").set(controller["balancedness"])
+            self.window_balance.labels(stat="min").set(controller["balancedness_min"])
+            self.rebalances.set(controller["rebalances"])
+            self.migration_seconds.set(controller["migration_seconds"])
+            self.bytes_moved.set(controller["bytes_moved"])
         return generate_latest(self.registry)

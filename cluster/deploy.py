@@ -41,6 +41,7 @@ class RequestFailed(RuntimeError):
     """A request's step failed on its router (for example a collective's deadline passed)."""
 
 
+NAMESPACE = "raymoe"  # where named actors live, whoever created them (a CLI, a Serve replica)
 CPU_SLIVER = 0.01  # CPU share of an actor on a CPU-only machine
 ACTOR_CONCURRENCY_SLACK = 4  # calls a worker must answer beside one serve_step per router
 
@@ -123,8 +124,13 @@ class Deployment:
         remove_placement_group(self.group)
 
 
-def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float = 120.0) -> Deployment:
-    """Start the actors a config describes on the connected Ray cluster (see ray_session)."""
+def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float = 120.0,
+           namespace: str = NAMESPACE) -> Deployment:
+    """Start the actors a config describes on the connected Ray cluster.
+
+    Actors are named ``{name}-worker-{w}``, ``{name}-router-{r}`` and ``{name}-controller`` in
+    the Ray namespace ``namespace``, so ``ray list actors`` and ``raymoe status`` find them.
+    """
     # Step 1: the checkpoint must match its config before anything starts.
     model_config = load_model_config(config.model)
     validate_checkpoint(Checkpoint(config.model), model_config)
@@ -169,7 +175,7 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     workers = [
         worker_class.options(
             num_cpus=0 if gpus else CPU_SLIVER, num_gpus=1 if gpus else 0, max_concurrency=concurrency,
-            name=f"{name}-worker-{w}", scheduling_strategy=PlacementGroupSchedulingStrategy(group, w),
+            name=f"{name}-worker-{w}", namespace=namespace, scheduling_strategy=PlacementGroupSchedulingStrategy(group, w),
         ).remote(w, config.model, config.dtype.value, "cuda" if gpus else "cpu", placement.to_dict(), spare_rows)
         for w in range(config.expert_workers)
     ]
@@ -177,7 +183,7 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     routers = [
         router_class.options(
             num_cpus=0 if gpus else CPU_SLIVER, num_gpus=1 if gpus else 0,
-            max_concurrency=config.engine.max_num_seqs + ACTOR_CONCURRENCY_SLACK, name=f"{name}-router-{r}",
+            max_concurrency=config.engine.max_num_seqs + ACTOR_CONCURRENCY_SLACK, name=f"{name}-router-{r}", namespace=namespace,
         ).remote(f"router-{r}", config.model, engine_config(config), placement.to_dict(), workers,
                  backend.value, config.comm.timeout_s)
         for r in range(config.routers)
@@ -195,7 +201,7 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     expert_bytes = 3 * model_config.moe_intermediate_size * model_config.hidden_size * element
     policy = RebalancePolicy(balancer.threshold, balancer.min_gain, balancer.algorithm, balancer.max_copies_per_rebalance)
     controller = ray.remote(Controller).options(
-        num_cpus=0 if gpus else CPU_SLIVER, max_concurrency=4, name=f"{name}-controller",
+        num_cpus=0 if gpus else CPU_SLIVER, max_concurrency=4, name=f"{name}-controller", namespace=namespace,
     ).remote(routers, workers, placement.to_dict(), policy, balancer.window_steps, balancer.interval_steps,
              balancer.poll_interval_s, expert_bytes, balancer.enabled)
     ray.get(controller.status.remote())  # up and reading telemetry before the first request

@@ -76,7 +76,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"raymoe serve: starting {config.routers} routers and {config.expert_workers} expert workers "
               f"for {config.model}", file=sys.stderr)
         serve.start(http_options={"host": config.serve.host, "port": config.serve.port})
-        serve.run(OpenAIIngress.bind(config.to_dict()), name="raymoe", route_prefix="/")
+        admin_token = os.environ.get("RAYMOE_ADMIN_TOKEN")
+        serve.run(OpenAIIngress.bind(config.to_dict(), admin_token), name="raymoe", route_prefix="/")
         if not _wait_healthy(url, stop):
             if stop.is_set():
                 print("raymoe serve: interrupted before the endpoint was ready; shutting down", file=sys.stderr)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -17,6 +19,7 @@ from raymoe.engine.tokenizer import Tokenizer
 from server_process import ServerProcess
 
 MAX_TOKENS = 8
+ADMIN_TOKEN = "test-admin-token"
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +31,7 @@ def server(tiny_mixtral_dir, tmp_path_factory):
         "placement:\n  strategy: round_robin\n  redundant_slots_per_worker: 1\n"
         "serve:\n  host: 127.0.0.1\n  port: 8000\n  served_model_name: tiny\n"
     )
-    process = ServerProcess(str(config), str(folder / "serve.log"))
+    process = ServerProcess(str(config), str(folder / "serve.log"), env={"RAYMOE_ADMIN_TOKEN": ADMIN_TOKEN})
     try:
         process.wait_ready()
         yield process
@@ -124,9 +127,9 @@ BAD_REQUESTS = [
 ]
 
 
-def post(url: str, body) -> tuple[int, dict]:
+def post(url: str, body, headers: dict | None = None) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())
@@ -170,3 +173,50 @@ def test_health_reports_every_actor(server):
     with urllib.request.urlopen(f"{server.url}/health", timeout=30) as response:
         payload = json.loads(response.read())
     assert payload == {"status": "ok", "routers": 2, "expert_workers": 2}
+
+
+def get(url: str, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_admin_routes_need_the_token(server, client):
+    client.completions.create(model="tiny", prompt=[4, 5, 6], max_tokens=3, temperature=0)
+    assert get(f"{server.url}/admin/placement")[0] == 401
+    assert get(f"{server.url}/admin/placement", {"Authorization": "Bearer wrong"})[0] == 401
+    assert post(f"{server.url}/admin/rebalance", {})[0] == 401
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    code, placement = get(f"{server.url}/admin/placement", auth)
+    assert code == 200
+    assert isinstance(placement["epoch"], int) and 0 < placement["balancedness"] <= 1
+    layers = placement["placement"]
+    assert len(layers) == 3 and all(len(row) == 2 * placement["slots_per_worker"] for row in layers)
+    assert all(set(range(8)) <= set(row) for row in layers)  # every logical expert has a slot
+    code, report = post(f"{server.url}/admin/rebalance", {}, auth)
+    assert code == 200 and isinstance(report["rebalanced"], bool) and report["reason"]
+
+
+def test_status_and_rebalance_commands(server):
+    command = [sys.executable, "-m", "raymoe.cluster.cli"]
+    done = subprocess.run(command + ["status", "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    status = json.loads(done.stdout)
+    assert {"epoch", "balancedness", "placement", "worker_load", "last_rebalance"} <= set(status)
+    text = subprocess.run(command + ["status"], capture_output=True, text=True, timeout=120)
+    assert text.returncode == 0 and "balancedness" in text.stdout and "worker" in text.stdout
+    done = subprocess.run(command + ["rebalance"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("rebalanced:"), done.stderr[-2000:]
+
+
+def test_metrics_include_the_controller(server):
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    for name in ("raymoe_window_balancedness", "raymoe_rebalances", "raymoe_migration_seconds",
+                 "raymoe_migration_bytes"):
+        assert name in families, name
+    stats = {s.labels.get("stat") for s in families["raymoe_window_balancedness"].samples}
+    assert stats == {"avg", "min"}
