@@ -43,3 +43,35 @@ def test_strict_spread_beyond_the_nodes_is_a_clear_error(three_nodes, tiny_mixtr
     config = cluster_config(tiny_mixtral_dir, expert_workers=4, placement={"node_strategy": "STRICT_SPREAD"})
     with pytest.raises(RuntimeError, match="could not reserve 4 expert-worker bundles"):
         deploy(config, name="ep-too-many", ready_timeout_s=5)
+
+
+def test_a_hot_expert_migrates_across_nodes_and_outputs_do_not_change(three_nodes, tmp_path):
+    from raymoe.engine.sampling_params import SamplingParams
+    from tiny_models import build_skewed_model, write_checkpoint
+
+    path = write_checkpoint(build_skewed_model(), str(tmp_path / "skewed"))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    batch = prompts(12, seed=5)
+    expected = [o.output_token_ids for o in reference_engine(path).generate(batch, params)]
+    config = cluster_config(
+        path, expert_workers=2, routers=1,
+        placement={"strategy": "explicit", "node_strategy": "STRICT_SPREAD",
+                   "experts": {0: [0, 1], 1: [2, 3, 4, 5, 6, 7]}},  # the hot experts 0, 1 on node A only
+        balancer={"enabled": True, "interval_steps": 3, "window_steps": 30, "poll_interval_s": 0.2},
+    )
+    deployment = deploy(config, name="ep-migrate")
+    try:
+        assert len(set(deployment.worker_nodes)) == 2
+        outputs = []
+        for round_ in range(8):
+            outputs = deployment.generate(batch, params)
+            assert [o.output_token_ids for o in outputs] == expected  # before, during and after
+            if deployment.status()["rebalances"] >= 1:
+                break
+        status = deployment.status()
+        assert status["rebalances"] >= 1, status["last_decision"]
+        moved = status["last_rebalance"]["moved"]
+        assert any(not copy["same_node"] and copy["expert"] in (0, 1) for copy in moved), moved
+        assert [o.output_token_ids for o in deployment.generate(batch, params)] == expected
+    finally:
+        deployment.shutdown()
