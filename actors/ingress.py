@@ -17,7 +17,6 @@ import json
 import time
 from typing import Any, AsyncIterator
 
-import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse

@@ -42,8 +42,13 @@ def read_batch(lines: IO[str]) -> list[dict[str, Any]]:
 
 
 def run_batch(items: list[dict[str, Any]], engine: BatchEngine, tokenizer: Tokenizer | None, limits: ModelLimits,
-              progress: IO[str] | None = sys.stderr) -> list[dict[str, Any]]:
-    """Serve every item; returns the output lines (dicts) in input order."""
+              progress: IO[str] | None = None, show_progress: bool = True) -> list[dict[str, Any]]:
+    """Serve every item; returns the output lines (dicts) in input order.
+
+    Progress goes to ``progress`` (default: the current ``sys.stderr``) unless ``show_progress`` is false.
+    """
+    if show_progress and progress is None:
+        progress = sys.stderr
     results: dict[int, dict[str, Any]] = {}
     prepared: dict[str, tuple[int, PreparedRequest]] = {}
     requests = []

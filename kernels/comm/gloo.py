@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 import torch.distributed as distributed
 
-from raymoe.kernels.comm.base import Deadline, ensure_open, validate_group, validate_timeout
+from raymoe.kernels.comm.base import Deadline, ensure_usable, validate_group, validate_timeout
 from raymoe.kernels.comm.errors import CollectiveTimeout, CommError, PeerLostError
 from raymoe.kernels.comm.layout import (
     AllToAllLayout,
@@ -124,12 +124,7 @@ class GlooCommunicator:
         self.exchange_counts(torch.zeros(self.world_size, dtype=torch.int64), tag=tag)
 
     def _check_usable(self, tag: str) -> None:
-        ensure_open(self._process_group is None, tag)
-        if self._failure is not None:
-            raise CommError(
-                f"collective {tag!r} called on a communicator broken by an earlier failure "
-                f"({self._failure}); abort() it and build a new one"
-            )
+        ensure_usable(self._process_group is None, self._failure, tag)
 
     def close(self) -> None:
         self._process_group = None

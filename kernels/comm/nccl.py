@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from raymoe.kernels.comm.base import Deadline, ensure_open, validate_group, validate_timeout
+from raymoe.kernels.comm.base import Deadline, ensure_usable, validate_group, validate_timeout
 from raymoe.kernels.comm.errors import RECOVERY_HINT, CollectiveTimeout, CommError
 from raymoe.kernels.comm.layout import (
     COUNT_HEADER_WIDTH,
@@ -147,12 +147,7 @@ class NcclCommunicator:
         self.exchange_counts(torch.zeros(self.world_size, dtype=torch.int64), tag=tag)
 
     def _check_usable(self, tag: str) -> None:
-        ensure_open(self._nccl_comm is None, tag)
-        if self._failure is not None:
-            raise CommError(
-                f"collective {tag!r} called on a communicator broken by an earlier failure "
-                f"({self._failure}); abort() it and build a new one"
-            )
+        ensure_usable(self._nccl_comm is None, self._failure, tag)
 
     def close(self) -> None:
         nccl_comm, self._nccl_comm = self._nccl_comm, None

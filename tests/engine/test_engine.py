@@ -7,7 +7,6 @@ import torch
 
 from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.sampling_params import SamplingParams
-from raymoe.engine.scheduler import SchedulerConfig
 from raymoe.engine.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
