@@ -36,6 +36,7 @@ from raymoe.engine.stream_text import TextStream
 from raymoe.engine.tokenizer import Tokenizer
 
 HEALTH_TIMEOUT_S = 5.0
+RETRY_AFTER_S = 1
 
 app = FastAPI(title="raymoe", description="OpenAI-compatible MoE serving with expert parallelism on Ray")
 
@@ -76,6 +77,8 @@ class OpenAIIngress:
         self.limits = ModelLimits(name, model.vocab_size, max_len)
         self.metrics = ServingMetrics(self.deployment.placement.slots_per_worker)
         self.in_flight = [0] * len(self.deployment.routers)
+        # A router batches max_num_seqs requests and queues at most max_queued_per_router more.
+        self.admission_limit = self.config.engine.max_num_seqs + self.config.serve.max_queued_per_router
         self.created = int(time.time())
         self._ids = itertools.count()
 
@@ -157,6 +160,11 @@ class OpenAIIngress:
             return error_response(error)
         request_id = new_id("chatcmpl" if endpoint is Endpoint.CHAT else "cmpl")
         router = min(range(len(self.in_flight)), key=lambda i: (self.in_flight[i], i))
+        if self.in_flight[router] >= self.admission_limit:  # every router's queue is full
+            self.metrics.requests.labels(label, "503").inc()
+            error = RequestError("the server is overloaded; retry shortly", status=503, error_type="server_error",
+                                 code="overloaded")
+            return JSONResponse(error.body(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         self.in_flight[router] += 1
         stream = self.deployment.routers[router].stream.options(num_returns="streaming").remote(
             request_id, prepared.prompt_ids, prepared.params)

@@ -145,6 +145,7 @@ class ServeSection(_Section):
     host: str = "127.0.0.1"  # loopback unless you mean to expose the endpoint
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8000
     max_body_bytes: Positive = 1 << 20  # larger request bodies get 413
+    max_queued_per_router: Annotated[int, msgspec.Meta(ge=0)] = 256  # beyond max_num_seqs + this: 503
     served_model_name: str | None = None  # default: the checkpoint directory's name
 
 
