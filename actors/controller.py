@@ -29,12 +29,22 @@ from raymoe.moe.placement import PlacementTable
 from raymoe.moe.rebalance_policy import RebalanceDecision, RebalancePolicy, decide, placement_balancedness
 
 CALL_TIMEOUT_S = 60.0
+PING_TIMEOUT_S = 5.0  # a worker that cannot answer `info` in this long is treated as lost
+RESTART_TIMEOUT_S = 300.0
 
 
 class Controller:
     def __init__(self, routers: list[Any], workers: list[Any], placement: dict[str, Any], policy: RebalancePolicy,
-                 window_steps: int, interval_steps: int, poll_interval_s: float, expert_bytes: int, enabled: bool):
+                 window_steps: int, interval_steps: int, poll_interval_s: float, expert_bytes: int, enabled: bool,
+                 groups: dict[str, Any] | None = None):
         self.routers = routers
+        # How to rebuild communicator groups: router ids, backend, deadline (see recover()).
+        self.groups = groups or {}
+        self.generation = 0
+        self.recoveries: list[dict[str, Any]] = []
+        self._recover_lock = threading.Lock()
+        # A worker Ray has already restarted answers pings; its new pid gives it away.
+        self.worker_pids = [info["pid"] for info in ray.get([w.info.remote() for w in workers], timeout=CALL_TIMEOUT_S)]
         self.workers = workers
         self.placement = PlacementTable.from_dict(placement)
         self.policy = policy
@@ -137,6 +147,69 @@ class Controller:
             "moved": [c.to_dict() for c in copies],
         }
 
+    # ---- failure recovery -------------------------------------------------------------------
+    def recover(self, generation: int) -> int:
+        """Rebuild every communicator group after a failed step; returns the new generation.
+
+        Called by each router whose step failed with the generation of its group; the first
+        caller does the work, later callers of the same generation return at once.
+
+        1. Ping every worker; one that is dead or does not answer is lost.
+        2. Kill lost workers that are merely frozen, so Ray restarts them (a worker is
+           restartable: it reloads its experts from the checkpoint).
+        3. Wait for the restarted workers and load the current placement into them.
+        4. Abort every old communicator and join every router with every worker anew.
+        """
+        with self._recover_lock:
+            if generation < self.generation:
+                return self.generation
+            started = time.perf_counter()
+            # Step 1: who answers, and who was restarted already (a new pid)?
+            answers = [w.info.remote() for w in self.workers]
+            lost, restarted = [], []
+            for index, answer in enumerate(answers):
+                try:
+                    if ray.get(answer, timeout=PING_TIMEOUT_S)["pid"] != self.worker_pids[index]:
+                        restarted.append(index)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
+                        ray.exceptions.ActorUnavailableError):
+                    lost.append(index)
+            # Step 2: frozen or dead, a lost worker is (re)started by Ray.
+            for index in lost:
+                ray.kill(self.workers[index], no_restart=False)
+            # Step 3: wait for them, then give them the placement in service.
+            for index in sorted(lost + restarted):
+                self.worker_pids[index] = self._wait_restarted(self.workers[index])
+                ray.get(self.workers[index].load_placement.remote(self.placement.to_dict()), timeout=RESTART_TIMEOUT_S)
+            lost = sorted(lost + restarted)
+            # Step 4: new groups, one per router, everybody joins.
+            ray.get([w.reset_comms.remote() for w in self.workers], timeout=CALL_TIMEOUT_S)
+            ray.get([r.abort_comm.remote() for r in self.routers], timeout=CALL_TIMEOUT_S)
+            world = 1 + len(self.workers)
+            next_generation = self.generation + 1
+            for router_id, router in zip(self.groups["router_ids"], self.routers):
+                rendezvous = ray.get(router.rendezvous.remote(), timeout=CALL_TIMEOUT_S)
+                ray.get([router.join.remote(rendezvous, next_generation)] + [
+                    w.join.remote(router_id, self.groups["backend"], rendezvous, world, self.groups["timeout_s"])
+                    for w in self.workers
+                ], timeout=CALL_TIMEOUT_S)
+            self.generation = next_generation
+            self.recoveries.append({"time": time.time(), "lost_workers": lost, "generation": next_generation,
+                                    "seconds": time.perf_counter() - started})
+            return self.generation
+
+    def _wait_restarted(self, worker: Any) -> int:
+        """Wait until ``worker`` answers again; returns its pid."""
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        while True:
+            try:
+                return ray.get(worker.info.remote(), timeout=PING_TIMEOUT_S)["pid"]
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
+                    ray.exceptions.ActorUnavailableError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"a lost expert worker did not restart within {RESTART_TIMEOUT_S} s") from None
+                time.sleep(0.5)
+
     # ---- status ---------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         load = self.window_load()
@@ -158,6 +231,7 @@ class Controller:
             "migration_seconds": self.migration_seconds,
             "bytes_moved": self.bytes_moved,
             "last_rebalance": self.last,
+            "recoveries": self.recoveries,
             "last_decision": None if self.last_decision is None else {
                 "rebalance": self.last_decision.rebalance, "reason": self.last_decision.reason,
                 "balancedness": self.last_decision.current_balancedness,

@@ -32,18 +32,29 @@ class ExpertWorker:
     def __init__(self, worker: int, model_dir: str, dtype: str, device: str, placement: dict[str, Any],
                  spare_rows: int = 0):
         self.worker = worker
+        self.model_dir = model_dir
+        self.spare_rows = spare_rows
         self.config = load_model_config(model_dir)
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self.dtype = resolve_dtype(dtype, self.config, self.device)
+        self.comms: dict[str, Communicator] = {}
+        self.load_placement(placement)
+
+    def load_placement(self, placement: dict[str, Any]) -> None:
+        """(Re)load this worker's experts for ``placement`` from the checkpoint, forgetting older epochs.
+
+        A restarted worker is constructed with the placement it started with; the supervisor
+        calls this with the current one before the worker serves again.
+        """
         table = PlacementTable.from_dict(placement)
         self.slots = table.slots_per_worker
         self.num_layers = table.num_layers
-        checkpoint = Checkpoint(model_dir)
+        checkpoint = Checkpoint(self.model_dir)
         self.w13: list[torch.Tensor] = []  # per MoE layer: [S + spare, 2I, D]
         self.w2: list[torch.Tensor] = []  # per MoE layer: [S + spare, D, I]
-        padding = [-1] * spare_rows
+        padding = [-1] * self.spare_rows
         for moe_layer, layer in enumerate(self.config.moe_layers):
-            experts = table.worker_experts(moe_layer, worker) + padding
+            experts = table.worker_experts(moe_layer, self.worker) + padding
             w13, w2 = load_expert_stack(checkpoint, self.config, layer, experts, self.dtype, self.device)
             self.w13.append(w13)
             self.w2.append(w2)
@@ -51,9 +62,8 @@ class ExpertWorker:
         self.slot_rows: dict[int, list[list[int]]] = {
             table.epoch: [list(range(self.slots)) for _ in range(self.num_layers)]}
         self.experts: dict[int, list[list[int]]] = {
-            table.epoch: [table.worker_experts(layer, worker) for layer in range(self.num_layers)]}
+            table.epoch: [table.worker_experts(layer, self.worker) for layer in range(self.num_layers)]}
         self.staged: dict[tuple[int, int, int], int] = {}  # (epoch, layer, slot) -> pool row
-        self.comms: dict[str, Communicator] = {}
 
     def info(self) -> dict[str, Any]:
         latest = max(self.experts)
@@ -141,6 +151,12 @@ class ExpertWorker:
         for epoch in [e for e in self.slot_rows if e < epochs_below]:
             del self.slot_rows[epoch]
             del self.experts[epoch]
+
+    def reset_comms(self) -> None:
+        """Abort every communicator (a peer failed); the supervisor builds new groups next."""
+        for comm in self.comms.values():
+            comm.abort()
+        self.comms.clear()
 
     def shutdown(self) -> None:
         for comm in self.comms.values():

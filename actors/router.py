@@ -24,13 +24,17 @@ from raymoe.engine.remote_experts import RemoteExperts
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.telemetry import Telemetry
 from raymoe.engine.tokenizer import Tokenizer
-from raymoe.kernels.comm import CommBackend, make_communicator, new_rendezvous
+from raymoe.kernels.comm import CommBackend, CommError, make_communicator, new_rendezvous
 from raymoe.moe.model_config import load_model_config
 from raymoe.moe.placement import PlacementTable
 
 # A worker that answers late still has to be waited for at the end of a step, but never longer
 # than the collectives' own deadline plus this slack.
 STEP_WAIT_SLACK_S = 5.0
+RECOVERY_TIMEOUT_S = 600.0
+# Failures a rebuilt communicator group fixes: a peer that died, froze or broke the group.
+RECOVERABLE = (CommError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
+               ray.exceptions.ActorUnavailableError)
 IDLE_WAIT_S = 0.5  # the step thread re-checks for shutdown this often when idle
 
 
@@ -88,6 +92,9 @@ class Router:
         self._queues: dict[str, queue.Queue] = {}
         self._stopped = False
         self._thread: threading.Thread | None = None
+        self.supervisor: Any = None  # the controller: rebuilds groups when a peer fails
+        self.comm_generation = 0
+        self.recoveries = 0
 
     # ---- communicator group ---------------------------------------------------------
     def rendezvous(self) -> Any:
@@ -95,13 +102,23 @@ class Router:
         host = ray.util.get_node_ip_address()
         return new_rendezvous(self.backend, host=host, group_name=f"raymoe-{self.router_id}")
 
-    def join(self, rendezvous: Any) -> None:
+    def join(self, rendezvous: Any, generation: int = 0) -> None:
         device = torch.device("cuda", 0) if self.backend is CommBackend.NCCL else None
         self.experts.comm = make_communicator(
             self.backend, rendezvous, rank=0, world_size=1 + len(self.workers), timeout_s=self.timeout_s, device=device
         )
-        self._thread = threading.Thread(target=self._step_loop, name=f"{self.router_id}-steps", daemon=True)
-        self._thread.start()
+        self.comm_generation = generation
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._step_loop, name=f"{self.router_id}-steps", daemon=True)
+            self._thread.start()
+
+    def abort_comm(self) -> None:
+        if self.experts.comm is not None:
+            self.experts.comm.abort()
+            self.experts.comm = None
+
+    def set_supervisor(self, supervisor: Any) -> None:
+        self.supervisor = supervisor
 
     def _start_step(self, epoch: int) -> None:
         self._pending = [worker.serve_step.remote(self.router_id, epoch) for worker in self.workers]
@@ -113,6 +130,7 @@ class Router:
     # ---- the step loop ----------------------------------------------------------------
     def _step_loop(self) -> None:
         while True:
+            failure = None
             with self._work:
                 while not self._stopped and not self.engine.has_unfinished():
                     self._work.wait(IDLE_WAIT_S)
@@ -120,11 +138,28 @@ class Router:
                     return
                 try:
                     outputs = self.engine.step()
-                except Exception as error:  # the step failed: every request in flight hears why
+                except RECOVERABLE as error:  # a peer died or froze: recover outside the lock
+                    failure, outputs = error, []
+                except Exception as error:  # anything else: every request in flight hears why
                     self._fail_all(f"{type(error).__name__}: {error}")
                     continue
+            if failure is not None:
+                self._recover(failure)
             for output in outputs:
                 self._deliver(output)
+
+    def _recover(self, failure: BaseException) -> None:
+        """The failed step's sequences keep their state; once the supervisor has rebuilt the
+        groups (restarting dead workers), the loop simply runs the step again."""
+        self._pending = []
+        try:
+            if self.supervisor is None:
+                raise RuntimeError("no supervisor to recover with")
+            ray.get(self.supervisor.recover.remote(self.comm_generation), timeout=RECOVERY_TIMEOUT_S)
+            self.recoveries += 1
+        except Exception as error:  # recovery itself failed: give up on what is in flight
+            with self._work:
+                self._fail_all(f"{type(failure).__name__}: {failure}; recovery failed: {type(error).__name__}: {error}")
 
     def _deliver(self, output: RequestOutput) -> None:
         target = self._queues.get(output.request_id)
@@ -217,7 +252,8 @@ class Router:
         return self.experts.placement.epoch
 
     def info(self) -> dict[str, Any]:
-        return {"router": self.router_id, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+        return {"router": self.router_id, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "recoveries": self.recoveries, "comm_generation": self.comm_generation}
 
     def shutdown(self) -> None:
         with self._work:

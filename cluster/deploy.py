@@ -175,6 +175,7 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     workers = [
         worker_class.options(
             num_cpus=0 if gpus else CPU_SLIVER, num_gpus=1 if gpus else 0, max_concurrency=concurrency,
+            max_restarts=-1,  # a crashed worker is restarted; the controller reloads its experts
             name=f"{name}-worker-{w}", namespace=namespace, scheduling_strategy=PlacementGroupSchedulingStrategy(group, w),
         ).remote(w, config.model, config.dtype.value, "cuda" if gpus else "cpu", placement.to_dict(), spare_rows)
         for w in range(config.expert_workers)
@@ -200,11 +201,15 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     element = resolve_dtype(config.dtype.value, model_config, torch.device("cuda" if gpus else "cpu")).itemsize
     expert_bytes = 3 * model_config.moe_intermediate_size * model_config.hidden_size * element
     policy = RebalancePolicy(balancer.threshold, balancer.min_gain, balancer.algorithm, balancer.max_copies_per_rebalance)
+    groups = {"router_ids": [f"router-{r}" for r in range(config.routers)], "backend": backend.value,
+              "timeout_s": config.comm.timeout_s}
     controller = ray.remote(Controller).options(
-        num_cpus=0 if gpus else CPU_SLIVER, max_concurrency=4, name=f"{name}-controller", namespace=namespace,
+        num_cpus=0 if gpus else CPU_SLIVER, max_concurrency=4 + config.routers, name=f"{name}-controller",
+        namespace=namespace,
     ).remote(routers, workers, placement.to_dict(), policy, balancer.window_steps, balancer.interval_steps,
-             balancer.poll_interval_s, expert_bytes, balancer.enabled)
+             balancer.poll_interval_s, expert_bytes, balancer.enabled, groups)
     ray.get(controller.status.remote())  # up and reading telemetry before the first request
+    ray.get([router.set_supervisor.remote(controller) for router in routers])
     return Deployment(config, model_config, placement, routers, workers, controller, group, worker_nodes)
 
 

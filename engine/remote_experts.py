@@ -65,6 +65,7 @@ class RemoteExperts:
         if moe_layer == 0:
             self._step_started = time.perf_counter()
             self._moe_seconds = 0.0
+            self.telemetry.begin_step()  # forget a step that failed part-way (it is being retried)
             self.start_step(self.placement.epoch)
         started = time.perf_counter()
         log2phy, logcnt = self._tables[moe_layer]

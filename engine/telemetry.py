@@ -81,6 +81,10 @@ class Telemetry:
         self._current.tokens = plan.num_tokens
         self._current.rows_sent += int(rows.sum())
 
+    def begin_step(self) -> None:
+        self._current = StepRecord()
+        self._current_load = np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
+
     def end_step(self, dense_s: float, worker_results: list[Any], epoch: int) -> None:
         self._current.dense_s = dense_s
         self._current.expert_s = max((sum(r["compute_s"]) for r in worker_results), default=0.0)

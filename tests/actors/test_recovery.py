@@ -1,0 +1,84 @@
+"""Failures without hangs or lost requests: a worker killed or frozen under load."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import ray
+
+from ep_helpers import GREEDY, cluster_config, prompts, reference_engine
+from raymoe.cluster.deploy import deploy
+
+TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=4, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_mixtral_dir):
+    batch = prompts(100, seed=21)
+    return batch, [o.output_token_ids for o in reference_engine(tiny_mixtral_dir).generate(batch, GREEDY)]
+
+
+def run_with_fault(deployment, batch, fault) -> tuple[list, float]:
+    """Run ``batch`` and inject ``fault`` once the routers have started stepping."""
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.setdefault("outputs", deployment.generate(batch, GREEDY)))
+    started = time.monotonic()
+    runner.start()
+    deadline = time.monotonic() + 60
+    while not any(t["steps"] for t in deployment.telemetry()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    fault()
+    runner.join(timeout=300)
+    assert not runner.is_alive(), "requests did not finish after the fault (a hang)"
+    return result["outputs"], time.monotonic() - started
+
+
+@pytest.mark.parametrize("redundant", [0, 1], ids=["no-replicas", "replicas"])
+def test_a_worker_killed_mid_flight_loses_no_request(ray_session, tiny_mixtral_dir, expected, redundant):
+    batch, want = expected
+    config = cluster_config(tiny_mixtral_dir, expert_workers=2, routers=2,
+                            placement={"strategy": "round_robin", "redundant_slots_per_worker": redundant},
+                            comm={"backend": "gloo", "timeout_s": TIMEOUT_S}, balancer={"enabled": False})
+    deployment = deploy(config, name=f"rec-kill-{redundant}")
+    try:
+        pid = ray.get(deployment.workers[1].info.remote())["pid"]
+        outputs, elapsed = run_with_fault(deployment, batch, lambda: os.kill(pid, signal.SIGKILL))
+        assert [o.output_token_ids for o in outputs] == want  # none failed, outputs identical
+        recoveries = deployment.status()["recoveries"]
+        assert recoveries and 1 in recoveries[0]["lost_workers"]
+        new_pid = ray.get(deployment.workers[1].info.remote())["pid"]
+        assert new_pid != pid
+        print(f"recovery took {recoveries[0]['seconds']:.2f} s; whole run {elapsed:.2f} s")
+    finally:
+        deployment.shutdown()
+
+
+def test_a_frozen_peer_hits_the_deadline_and_is_recovered(ray_session, tiny_mixtral_dir, expected):
+    batch, want = expected
+    config = cluster_config(tiny_mixtral_dir, expert_workers=2, routers=1, comm={"backend": "gloo",
+                            "timeout_s": TIMEOUT_S}, balancer={"enabled": False})
+    deployment = deploy(config, name="rec-freeze")
+    pid = ray.get(deployment.workers[0].info.remote())["pid"]
+    try:
+        outputs, elapsed = run_with_fault(deployment, batch[:20], lambda: os.kill(pid, signal.SIGSTOP))
+        assert [o.output_token_ids for o in outputs] == want[:20]
+        recoveries = deployment.status()["recoveries"]
+        assert recoveries and recoveries[0]["lost_workers"] == [0]
+        assert elapsed < 120
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)  # if it was never killed by the recovery
+        except ProcessLookupError:
+            pass
+        deployment.shutdown()
