@@ -17,6 +17,7 @@ be restarted and rebuild its state from the routers and workers.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -31,6 +32,7 @@ from raymoe.moe.rebalance_policy import RebalanceDecision, RebalancePolicy, deci
 CALL_TIMEOUT_S = 60.0
 PING_TIMEOUT_S = 5.0  # a worker that cannot answer `info` in this long is treated as lost
 RESTART_TIMEOUT_S = 300.0
+LOST = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError)
 
 
 class Controller:
@@ -61,9 +63,14 @@ class Controller:
         self.last_decision: RebalanceDecision | None = None
         self._rebalance_lock = threading.Lock()
         self._stopped = threading.Event()
+        self.enabled = enabled
+        router_infos = ray.get([r.info.remote() for r in routers], timeout=CALL_TIMEOUT_S)
+        self.router_pids = [info["pid"] for info in router_infos]
+        self.generation = max(info["comm_generation"] for info in router_infos)  # > 0 after a restart
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self.placement = self._placement_from_workers()  # a restarted controller: the workers know
         self._thread = threading.Thread(target=self._loop, name="raymoe-controller", daemon=True)
-        if enabled:
-            self._thread.start()
+        self._thread.start()
 
     # ---- telemetry ----------------------------------------------------------------------
     def poll(self) -> int:
@@ -87,11 +94,23 @@ class Controller:
     def _loop(self) -> None:
         while not self._stopped.wait(self.poll_interval_s):
             try:
-                self.poll()
-                if self.steps_since_decision >= self.interval_steps:
+                try:
+                    self.poll()
+                except LOST:  # a router died: once Ray restarts it, rebuild the groups with it
+                    self.recover(self.generation)
+                    continue
+                if self.enabled and self.steps_since_decision >= self.interval_steps:
                     self.rebalance(force=False)
             except Exception as error:  # keep controlling; the last error is in status()
                 self.last = {"error": f"{type(error).__name__}: {error}", "time": time.time()}
+
+    def _placement_from_workers(self) -> PlacementTable:
+        """Rebuild the placement in service from what every worker serves (its latest epoch)."""
+        infos = ray.get([w.info.remote() for w in self.workers], timeout=CALL_TIMEOUT_S)
+        phy2log = [sum((info["experts"][layer] for info in infos), []) for layer in range(self.placement.num_layers)]
+        epoch = max(max(info["epochs"]) for info in infos)
+        return PlacementTable.from_phy2log(phy2log, self.placement.slots_per_worker, self.placement.num_experts,
+                                           self.placement.worker2node, epoch)
 
     # ---- rebalancing --------------------------------------------------------------------
     def rebalance(self, force: bool = True) -> dict[str, Any]:
@@ -118,7 +137,9 @@ class Controller:
         target = decision.result.placement
         copies = decision.result.migration.copies
         slots = self.placement.slots_per_worker
-        for layer in sorted({copy.layer for copy in copies}):
+        changed = [layer for layer in range(target.num_layers)
+                   if not np.array_equal(target.phy2log[layer], self.placement.phy2log[layer])]
+        for layer in changed:  # a layer may change without copies (a replica dropped or re-pointed)
             current = self.placement
             layer_table = current.with_layer(layer, target.phy2log[layer])
             # Step 1: copy the layer's new experts from live peers into free pool rows.
@@ -171,8 +192,7 @@ class Controller:
                 try:
                     if ray.get(answer, timeout=PING_TIMEOUT_S)["pid"] != self.worker_pids[index]:
                         restarted.append(index)
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
-                        ray.exceptions.ActorUnavailableError):
+                except LOST:
                     lost.append(index)
             # Step 2: frozen or dead, a lost worker is (re)started by Ray.
             for index in lost:
@@ -182,6 +202,17 @@ class Controller:
                 self.worker_pids[index] = self._wait_restarted(self.workers[index])
                 ray.get(self.workers[index].load_placement.remote(self.placement.to_dict()), timeout=RESTART_TIMEOUT_S)
             lost = sorted(lost + restarted)
+            # Step 3b: a restarted router (its requests were retried elsewhere by the ingress)
+            # gets the supervisor and the placement in service back.
+            restarted_routers = []
+            for index, router in enumerate(self.routers):
+                pid = self._wait_restarted(router)
+                if pid != self.router_pids[index]:
+                    self.router_pids[index] = pid
+                    self.cursors[index] = 0
+                    ray.get([router.set_supervisor.remote(ray.get_runtime_context().current_actor),
+                             router.set_placement.remote(self.placement.to_dict())], timeout=CALL_TIMEOUT_S)
+                    restarted_routers.append(index)
             # Step 4: new groups, one per router, everybody joins.
             ray.get([w.reset_comms.remote() for w in self.workers], timeout=CALL_TIMEOUT_S)
             ray.get([r.abort_comm.remote() for r in self.routers], timeout=CALL_TIMEOUT_S)
@@ -194,7 +225,8 @@ class Controller:
                     for w in self.workers
                 ], timeout=CALL_TIMEOUT_S)
             self.generation = next_generation
-            self.recoveries.append({"time": time.time(), "lost_workers": lost, "generation": next_generation,
+            self.recoveries.append({"time": time.time(), "lost_workers": lost, "restarted_routers": restarted_routers,
+                                    "generation": next_generation,
                                     "seconds": time.perf_counter() - started})
             return self.generation
 
@@ -204,10 +236,9 @@ class Controller:
         while True:
             try:
                 return ray.get(worker.info.remote(), timeout=PING_TIMEOUT_S)["pid"]
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
-                    ray.exceptions.ActorUnavailableError):
+            except LOST:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"a lost expert worker did not restart within {RESTART_TIMEOUT_S} s") from None
+                    raise RuntimeError(f"a lost actor did not restart within {RESTART_TIMEOUT_S} s") from None
                 time.sleep(0.5)
 
     # ---- status ---------------------------------------------------------------------------
@@ -218,6 +249,7 @@ class Controller:
             float(np.mean(row) / np.max(row)) if np.max(row) > 0 else 1.0 for row in worker_loads
         ]
         return {
+            "pid": os.getpid(),
             "epoch": self.placement.epoch,
             "balancedness": overall,
             "balancedness_min": min(per_layer) if per_layer else 1.0,
@@ -232,11 +264,21 @@ class Controller:
             "bytes_moved": self.bytes_moved,
             "last_rebalance": self.last,
             "recoveries": self.recoveries,
+            "routers": self._router_infos(),
             "last_decision": None if self.last_decision is None else {
                 "rebalance": self.last_decision.rebalance, "reason": self.last_decision.reason,
                 "balancedness": self.last_decision.current_balancedness,
                 "predicted": self.last_decision.predicted_balancedness},
         }
+
+    def _router_infos(self) -> list[dict[str, Any]]:
+        infos = []
+        for index, router in enumerate(self.routers):
+            try:
+                infos.append(dict(ray.get(router.info.remote(), timeout=PING_TIMEOUT_S), alive=True))
+            except LOST:
+                infos.append({"router": self.groups.get("router_ids", [None] * len(self.routers))[index], "alive": False})
+        return infos
 
     def stop(self) -> None:
         self._stopped.set()

@@ -17,6 +17,7 @@ import json
 import time
 from typing import Any, AsyncIterator
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -37,6 +38,7 @@ from raymoe.engine.tokenizer import Tokenizer
 
 HEALTH_TIMEOUT_S = 5.0
 RETRY_AFTER_S = 1
+ROUTER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 app = FastAPI(title="raymoe", description="OpenAI-compatible MoE serving with expert parallelism on Ray")
 
@@ -159,17 +161,13 @@ class OpenAIIngress:
             self.metrics.requests.labels(label, str(error.status)).inc()
             return error_response(error)
         request_id = new_id("chatcmpl" if endpoint is Endpoint.CHAT else "cmpl")
-        router = min(range(len(self.in_flight)), key=lambda i: (self.in_flight[i], i))
-        if self.in_flight[router] >= self.admission_limit:  # every router's queue is full
+        if min(self.in_flight) >= self.admission_limit:  # every router's queue is full
             self.metrics.requests.labels(label, "503").inc()
             error = RequestError("the server is overloaded; retry shortly", status=503, error_type="server_error",
                                  code="overloaded")
             return JSONResponse(error.body(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
-        self.in_flight[router] += 1
-        stream = self.deployment.routers[router].stream.options(num_returns="streaming").remote(
-            request_id, prepared.prompt_ids, prepared.params)
         self.metrics.prompt_tokens.inc(len(prepared.prompt_ids))
-        deltas = self._deltas(stream, router, request_id, arrived, label)
+        deltas = self._deltas(prepared, request_id, arrived, label)
         if prepared.stream:
             return StreamingResponse(self._sse(prepared, deltas, request_id), media_type="text/event-stream")
         output = None
@@ -191,32 +189,59 @@ class OpenAIIngress:
                 raise RequestError(f"the request body exceeds {cap} bytes", status=413, code="body_too_large")
         return body
 
-    async def _deltas(self, stream, router: int, request_id: str, arrived: float,
+    def _pick_router(self, avoid: set[int]) -> int:
+        candidates = [i for i in range(len(self.in_flight)) if i not in avoid] or list(range(len(self.in_flight)))
+        router = min(candidates, key=lambda i: (self.in_flight[i], i))
+        self.in_flight[router] += 1
+        return router
+
+    async def _deltas(self, prepared: PreparedRequest, request_id: str, arrived: float,
                       label: str) -> AsyncIterator[RequestOutput | StepFailure]:
-        """The router's token deltas folded into a growing RequestOutput (or a StepFailure)."""
-        tokens, logprobs, tops = [], [], []
-        last = None
+        """The router's token deltas folded into a growing RequestOutput (or a StepFailure).
+
+        If the router dies before any token reached the client (always, for a non-streamed
+        request), the request starts over on another router; a stream that already sent
+        tokens ends with an error instead (the docs say why: tokens cannot be taken back).
+        """
+        failed: set[int] = set()
+        router = self._pick_router(failed)
         status = "200"
         try:
-            async for ref in stream:
-                item = await ref
-                if isinstance(item, StepFailure):
-                    status = "503"
-                    yield item
+            while True:
+                tokens, logprobs, tops, last = [], [], [], None
+                stream = self.deployment.routers[router].stream.options(num_returns="streaming").remote(
+                    request_id, prepared.prompt_ids, prepared.params)
+                try:
+                    async for ref in stream:
+                        item = await ref
+                        if isinstance(item, StepFailure):
+                            status = "503"
+                            yield item
+                            return
+                        now = time.perf_counter()
+                        if last is None:
+                            self.metrics.ttft.observe(now - arrived)
+                        else:
+                            for _ in item.token_ids:
+                                self.metrics.itl.observe((now - last) / len(item.token_ids))
+                        last = now
+                        tokens += item.token_ids
+                        logprobs += item.logprobs
+                        tops += item.top_logprobs
+                        self.metrics.output_tokens.inc(len(item.token_ids))
+                        yield RequestOutput(request_id, item.token_ids, item.logprobs, item.finished,
+                                            item.finish_reason, item.num_prompt_tokens, tokens, logprobs, tops,
+                                            item.stop_text_index)
                     return
-                now = time.perf_counter()
-                if last is None:
-                    self.metrics.ttft.observe(now - arrived)
-                else:
-                    for _ in item.token_ids:
-                        self.metrics.itl.observe((now - last) / len(item.token_ids))
-                last = now
-                tokens += item.token_ids
-                logprobs += item.logprobs
-                tops += item.top_logprobs
-                self.metrics.output_tokens.inc(len(item.token_ids))
-                yield RequestOutput(request_id, item.token_ids, item.logprobs, item.finished, item.finish_reason,
-                                    item.num_prompt_tokens, tokens, logprobs, tops, item.stop_text_index)
+                except ROUTER_LOST as error:
+                    failed.add(router)
+                    if (prepared.stream and tokens) or len(failed) > len(self.in_flight):
+                        status = "503"
+                        yield StepFailure(request_id, f"the router serving this request was lost after "
+                                                      f"{len(tokens)} streamed tokens: {type(error).__name__}")
+                        return
+                    self.in_flight[router] -= 1
+                    router = self._pick_router(failed)  # nothing reached the client: start over elsewhere
         except (asyncio.CancelledError, GeneratorExit):
             status = "499"  # the client went away: free the router's slot and KV blocks
             self.deployment.routers[router].abort.remote(request_id)

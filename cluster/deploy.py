@@ -184,7 +184,8 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     routers = [
         router_class.options(
             num_cpus=0 if gpus else CPU_SLIVER, num_gpus=1 if gpus else 0,
-            max_concurrency=config.engine.max_num_seqs + ACTOR_CONCURRENCY_SLACK, name=f"{name}-router-{r}", namespace=namespace,
+            max_concurrency=config.engine.max_num_seqs + ACTOR_CONCURRENCY_SLACK, max_restarts=-1,
+            name=f"{name}-router-{r}", namespace=namespace,
         ).remote(f"router-{r}", config.model, engine_config(config), placement.to_dict(), workers,
                  backend.value, config.comm.timeout_s)
         for r in range(config.routers)
@@ -204,7 +205,8 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     groups = {"router_ids": [f"router-{r}" for r in range(config.routers)], "backend": backend.value,
               "timeout_s": config.comm.timeout_s}
     controller = ray.remote(Controller).options(
-        num_cpus=0 if gpus else CPU_SLIVER, max_concurrency=4 + config.routers, name=f"{name}-controller",
+        num_cpus=0 if gpus else CPU_SLIVER, max_concurrency=4 + config.routers, max_restarts=-1,
+        name=f"{name}-controller",
         namespace=namespace,
     ).remote(routers, workers, placement.to_dict(), policy, balancer.window_steps, balancer.interval_steps,
              balancer.poll_interval_s, expert_bytes, balancer.enabled, groups)

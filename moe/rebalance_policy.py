@@ -63,8 +63,8 @@ def decide(load: np.ndarray, placement: PlacementTable, policy: RebalancePolicy,
     )
     predicted = result.balancedness
     decision = RebalanceDecision(True, "imbalanced and the plan pays", current, predicted, result)
-    if decision.num_copies == 0:
-        return RebalanceDecision(False, "the plan copies nothing", current, predicted, result)
+    if result.placement.same_placement(placement):
+        return RebalanceDecision(False, "the plan changes nothing", current, predicted, result)
     if not force and predicted - current < policy.min_gain:
         return RebalanceDecision(
             False, f"gain {predicted - current:.3f} below min_gain {policy.min_gain}", current, predicted, result)

@@ -82,3 +82,36 @@ def test_a_frozen_peer_hits_the_deadline_and_is_recovered(ray_session, tiny_mixt
         except ProcessLookupError:
             pass
         deployment.shutdown()
+
+
+def test_serving_goes_on_without_the_controller_and_a_restarted_one_recovers_its_state(ray_session, tmp_path):
+    from tiny_models import build_skewed_model, write_checkpoint
+
+    path = write_checkpoint(build_skewed_model(), str(tmp_path / "skewed"))
+    config = cluster_config(path, expert_workers=2, routers=1,
+                            placement={"strategy": "explicit", "experts": {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]},
+                                       "redundant_slots_per_worker": 1},
+                            balancer={"enabled": True, "interval_steps": 10**6})
+    deployment = deploy(config, name="rec-controller")
+    try:
+        deployment.generate(prompts(8, seed=2), GREEDY)
+        report = deployment.rebalance()
+        assert report["rebalanced"], report
+        before = deployment.status()
+        assert before["epoch"] > 0
+        os.kill(before["pid"], signal.SIGKILL)
+        # Serving does not need the controller.
+        outputs = deployment.generate(prompts(4, seed=3), GREEDY)
+        assert all(len(o.output_token_ids) == GREEDY.max_tokens for o in outputs)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                after = deployment.status()
+                break
+            except ray.exceptions.RayActorError:
+                assert time.monotonic() < deadline, "the controller did not come back"
+                time.sleep(0.5)
+        assert after["pid"] != before["pid"]
+        assert after["epoch"] == before["epoch"] and after["placement"] == before["placement"]
+    finally:
+        deployment.shutdown()

@@ -72,4 +72,4 @@ def test_no_traffic_and_forced_decisions():
     assert not decide(np.zeros((2, 8)), placement, RebalancePolicy()).rebalance
     balanced = initial_placement(2, 8, 4, "round_robin")
     forced = decide(np.full((2, 8), 5.0), balanced, RebalancePolicy(algorithm=BalancerAlgorithm.MIGRATION), force=True)
-    assert not forced.rebalance and forced.reason == "the plan copies nothing"
+    assert not forced.rebalance and forced.reason == "the plan changes nothing"

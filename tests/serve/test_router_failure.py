@@ -1,0 +1,78 @@
+"""A router killed under load: its requests start over on another router; it comes back."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import time
+import urllib.request
+
+import pytest
+
+from raymoe.engine.engine import EngineConfig, LLMEngine
+from raymoe.engine.sampling_params import SamplingParams
+from server_process import ServerProcess
+
+TOKEN = "router-failure-token"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_mixtral_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("router-failure")
+    config = folder / "cluster.yaml"
+    config.write_text(
+        f"model: {tiny_mixtral_dir}\ndevice: cpu\ndtype: float32\nrouters: 2\nexpert_workers: 2\n"
+        "comm:\n  backend: gloo\n  timeout_s: 3.0\nbalancer:\n  enabled: false\n  poll_interval_s: 0.2\n"
+    )
+    process = ServerProcess(str(config), str(folder / "serve.log"), env={"RAYMOE_ADMIN_TOKEN": TOKEN})
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        assert process.stop() == 0, process.tail()
+
+
+def call(url: str, path: str, body: dict | None = None) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
+def test_router_killed_under_load_loses_no_request(server, tiny_mixtral_dir):
+    prompts = [[10 + i, 20 + i, 30 + i] for i in range(16)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    reference = LLMEngine.from_pretrained(tiny_mixtral_dir, EngineConfig(dtype="float32"))
+    expected = [o.output_token_ids for o in reference.generate(prompts, params)]
+    routers = call(server.url, "/admin/placement")["routers"]
+    victim = routers[0]["pid"]
+
+    def complete(prompt):
+        return call(server.url, "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                                    "ignore_eos": True, "return_token_ids": True})
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(complete, p) for p in prompts]
+        time.sleep(0.5)  # requests are in flight on both routers
+        os.kill(victim, signal.SIGKILL)
+        bodies = [f.result(timeout=300) for f in futures]
+    assert [b["choices"][0]["token_ids"] for b in bodies] == expected
+    # The router comes back (restarted by Ray, rejoined by the controller) and serves again.
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        status = call(server.url, "/admin/placement")
+        back = status["routers"][0]
+        if back.get("alive") and back["pid"] != victim and any(
+                0 in r.get("restarted_routers", []) for r in status["recoveries"]):
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError(f"router 0 did not come back: {status['routers']} {status['recoveries']}")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        bodies = list(pool.map(complete, prompts[:8]))
+    assert [b["choices"][0]["token_ids"] for b in bodies] == expected[:8]
+    with urllib.request.urlopen(f"{server.url}/health", timeout=30) as response:
+        assert response.status == 200
