@@ -35,6 +35,18 @@ RESTART_TIMEOUT_S = 300.0
 LOST = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError)
 
 
+def _until_available(call, timeout_s: float = RESTART_TIMEOUT_S) -> Any:
+    """``ray.get(call())``, retried while the actor is between restarts."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(call(), timeout=CALL_TIMEOUT_S)
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 class Controller:
     def __init__(self, routers: list[Any], workers: list[Any], placement: dict[str, Any], policy: RebalancePolicy,
                  window_steps: int, interval_steps: int, poll_interval_s: float, expert_bytes: int, enabled: bool,
@@ -187,20 +199,23 @@ class Controller:
             started = time.perf_counter()
             # Step 1: who answers, and who was restarted already (a new pid)?
             answers = [w.info.remote() for w in self.workers]
-            lost, restarted = [], []
+            lost, restarted, frozen = [], [], []
             for index, answer in enumerate(answers):
                 try:
                     if ray.get(answer, timeout=PING_TIMEOUT_S)["pid"] != self.worker_pids[index]:
                         restarted.append(index)
+                except ray.exceptions.GetTimeoutError:
+                    frozen.append(index)  # alive but not answering
                 except LOST:
-                    lost.append(index)
-            # Step 2: frozen or dead, a lost worker is (re)started by Ray.
-            for index in lost:
+                    lost.append(index)  # dead: Ray is restarting it already
+            # Step 2: a frozen worker cannot serve: kill it so that Ray restarts it too.
+            for index in frozen:
                 ray.kill(self.workers[index], no_restart=False)
+            lost = sorted(lost + frozen)
             # Step 3: wait for them, then give them the placement in service.
             for index in sorted(lost + restarted):
                 self.worker_pids[index] = self._wait_restarted(self.workers[index])
-                ray.get(self.workers[index].load_placement.remote(self.placement.to_dict()), timeout=RESTART_TIMEOUT_S)
+                _until_available(lambda w=self.workers[index]: w.load_placement.remote(self.placement.to_dict()))
             lost = sorted(lost + restarted)
             # Step 3b: a restarted router (its requests were retried elsewhere by the ingress)
             # gets the supervisor and the placement in service back.
@@ -214,8 +229,8 @@ class Controller:
                              router.set_placement.remote(self.placement.to_dict())], timeout=CALL_TIMEOUT_S)
                     restarted_routers.append(index)
             # Step 4: new groups, one per router, everybody joins.
-            ray.get([w.reset_comms.remote() for w in self.workers], timeout=CALL_TIMEOUT_S)
-            ray.get([r.abort_comm.remote() for r in self.routers], timeout=CALL_TIMEOUT_S)
+            for actor in [*self.workers, *self.routers]:
+                _until_available(actor.reset_comms.remote if actor in self.workers else actor.abort_comm.remote)
             world = 1 + len(self.workers)
             next_generation = self.generation + 1
             for router_id, router in zip(self.groups["router_ids"], self.routers):
@@ -230,12 +245,12 @@ class Controller:
                                     "seconds": time.perf_counter() - started})
             return self.generation
 
-    def _wait_restarted(self, worker: Any) -> int:
+    def _wait_restarted(self, actor: Any) -> int:
         """Wait until ``worker`` answers again; returns its pid."""
         deadline = time.monotonic() + RESTART_TIMEOUT_S
         while True:
             try:
-                return ray.get(worker.info.remote(), timeout=PING_TIMEOUT_S)["pid"]
+                return ray.get(actor.info.remote(), timeout=PING_TIMEOUT_S)["pid"]
             except LOST:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"a lost actor did not restart within {RESTART_TIMEOUT_S} s") from None

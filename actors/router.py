@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -95,6 +96,7 @@ class Router:
         self.supervisor: Any = None  # the controller: rebuilds groups when a peer fails
         self.comm_generation = 0
         self.recoveries = 0
+        self.last_failure: dict[str, Any] | None = None
 
     # ---- communicator group ---------------------------------------------------------
     def rendezvous(self) -> Any:
@@ -136,10 +138,13 @@ class Router:
                     self._work.wait(IDLE_WAIT_S)
                 if self._stopped:
                     return
+                step_started = time.monotonic()
                 try:
                     outputs = self.engine.step()
                 except RECOVERABLE as error:  # a peer died or froze: recover outside the lock
                     failure, outputs = error, []
+                    self.last_failure = {"error": f"{type(error).__name__}: {error}",
+                                         "after_s": time.monotonic() - step_started, "time": time.time()}
                 except Exception as error:  # anything else: every request in flight hears why
                     self._fail_all(f"{type(error).__name__}: {error}")
                     continue
@@ -253,7 +258,8 @@ class Router:
 
     def info(self) -> dict[str, Any]:
         return {"router": self.router_id, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "recoveries": self.recoveries, "comm_generation": self.comm_generation}
+                "recoveries": self.recoveries, "comm_generation": self.comm_generation,
+                "last_failure": self.last_failure}
 
     def shutdown(self) -> None:
         with self._work:

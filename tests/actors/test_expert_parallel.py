@@ -11,7 +11,7 @@ import ray
 import torch
 
 from ep_helpers import GREEDY, cluster_config, prompts, reference_engine
-from raymoe.cluster.deploy import RequestFailed, deploy
+from raymoe.cluster.deploy import deploy
 from raymoe.engine.experts import plan_layer
 from raymoe.moe.capacity import CapacityConfig
 
@@ -97,19 +97,24 @@ def test_bytes_on_the_wire_are_the_dedup_minimum(ray_session, reference, tiny_mi
 
 
 def test_a_worker_that_stops_answering_fails_the_step_within_the_deadline(ray_session, tiny_mixtral_dir):
+    # The step fails with the deadline error naming the peer and the layer; then the
+    # controller recovers (tests/actors/test_recovery.py) and the requests still complete.
     timeout_s = 2.0
-    config = cluster_config(tiny_mixtral_dir, comm={"backend": "gloo", "timeout_s": timeout_s})
+    config = cluster_config(tiny_mixtral_dir, comm={"backend": "gloo", "timeout_s": timeout_s},
+                            balancer={"enabled": False})
     deployment = deploy(config, name="ep-stall")
     pid = ray.get(deployment.workers[1].info.remote())["pid"]
     try:
         os.kill(pid, signal.SIGSTOP)
         started = time.monotonic()
-        with pytest.raises(RequestFailed) as error:
-            deployment.generate(prompts(2), GREEDY)
-        elapsed = time.monotonic() - started
-        message = str(error.value)
-        assert "timed out" in message and "rank 2" in message and "layer 0" in message
-        assert elapsed < timeout_s + 10
+        outputs = deployment.generate(prompts(2), GREEDY)
+        assert len(outputs) == 2 and time.monotonic() - started < 120  # nothing hangs
+        failure = ray.get(deployment.routers[0].info.remote())["last_failure"]
+        assert "CollectiveTimeout" in failure["error"] and "rank 2" in failure["error"] and "layer 0" in failure["error"]
+        assert failure["after_s"] < timeout_s + 3  # within the deadline (plus scheduling slack)
     finally:
-        os.kill(pid, signal.SIGCONT)
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # recovery killed the frozen process
         deployment.shutdown()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -73,5 +75,38 @@ def test_a_hot_expert_migrates_across_nodes_and_outputs_do_not_change(three_node
         moved = status["last_rebalance"]["moved"]
         assert any(not copy["same_node"] and copy["expert"] in (0, 1) for copy in moved), moved
         assert [o.output_token_ids for o in deployment.generate(batch, params)] == expected
+    finally:
+        deployment.shutdown()
+
+
+def test_a_node_removed_under_load_loses_no_request(three_nodes, tiny_mixtral_dir):
+    import threading
+
+    batch = prompts(40, seed=9)
+    expected = [o.output_token_ids for o in reference_engine(tiny_mixtral_dir).generate(batch, GREEDY)]
+    config = cluster_config(tiny_mixtral_dir, expert_workers=2, routers=1,
+                            placement={"strategy": "round_robin", "node_strategy": "STRICT_SPREAD"},
+                            comm={"backend": "gloo", "timeout_s": 3.0}, balancer={"enabled": False})
+    deployment = deploy(config, name="ep-node-loss")
+    try:
+        head = ray.get_runtime_context().get_node_id()
+        router_node = ray.get(deployment.routers[0].info.remote())["node_id"]
+        controller_node = ray.get(deployment.controller.status.remote())  # up
+        assert controller_node
+        # A node that holds an expert worker but neither the driver nor the router.
+        victim_node = next(n for n in deployment.worker_nodes if n not in (head, router_node))
+        victim = next(node for node in three_nodes.list_all_nodes() if node.node_id == victim_node)
+        result: dict = {}
+        runner = threading.Thread(target=lambda: result.setdefault("outputs", deployment.generate(batch, GREEDY)))
+        runner.start()
+        deadline = time.monotonic() + 60
+        while not deployment.telemetry()[0]["steps"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        three_nodes.remove_node(victim)
+        runner.join(timeout=400)
+        assert not runner.is_alive(), "requests did not finish after the node was removed"
+        assert [o.output_token_ids for o in result["outputs"]] == expected
+        recoveries = deployment.status()["recoveries"]
+        assert recoveries and recoveries[0]["lost_workers"], recoveries
     finally:
         deployment.shutdown()
