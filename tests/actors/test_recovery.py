@@ -115,3 +115,19 @@ def test_serving_goes_on_without_the_controller_and_a_restarted_one_recovers_its
         assert after["epoch"] == before["epoch"] and after["placement"] == before["placement"]
     finally:
         deployment.shutdown()
+
+
+def test_a_checkpoint_that_does_not_match_its_config_is_refused_before_any_actor_starts(ray_session, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from raymoe.engine.checkpoint import CheckpointError
+    from tiny_models import build_reference_model, write_checkpoint
+
+    path = write_checkpoint(build_reference_model("mixtral"), str(tmp_path / "broken"))
+    tensors = load_file(f"{path}/model.safetensors")
+    del tensors["model.layers.0.block_sparse_moe.experts.3.w1.weight"]
+    save_file(tensors, f"{path}/model.safetensors")
+    before = len(ray.util.list_named_actors(all_namespaces=True))
+    with pytest.raises(CheckpointError, match="experts.3.w1"):
+        deploy(cluster_config(path, expert_workers=2), name="rec-broken")
+    assert len(ray.util.list_named_actors(all_namespaces=True)) == before
