@@ -9,26 +9,16 @@ import pytest
 
 from raymoe.cluster.cli import main
 from raymoe.cluster.loadgen import LengthDistribution, synthetic_workload
-from serve.server_process import ServerProcess, free_port
+from serve.server_process import free_port, served
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_mixtral_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("bench-serve")
-    config = folder / "cluster.yaml"
-    config.write_text(
-        f"model: {tiny_mixtral_dir}\ndevice: cpu\ndtype: float32\nrouters: 1\nexpert_workers: 2\n"
-        "placement:\n  strategy: round_robin\ncomm:\n  backend: gloo\n"
-        "serve:\n  served_model_name: tiny\n"
-    )
-    process = ServerProcess(str(config), str(folder / "serve.log"))
-    try:
-        process.wait_ready()
-        yield process
-    finally:
-        assert process.stop() == 0, process.tail()
+    yield from served(tmp_path_factory.mktemp("bench-serve"), tiny_mixtral_dir,
+                      "routers: 1\nexpert_workers: 2\nplacement:\n  strategy: round_robin\ncomm:\n  backend: gloo\n"
+                      "serve:\n  served_model_name: tiny\n")
 
 
 def test_closed_loop_prints_percentiles_and_writes_json_and_png(server, tmp_path, capsys):

@@ -62,3 +62,17 @@ class ServerProcess:
                 self.process.wait(10)
         self.log.close()
         return self.process.returncode
+
+
+def served(folder, model_dir: str, settings: str, env: dict | None = None):
+    """Fixture body: write a cluster YAML (``model``, CPU, float32, plus ``settings``), serve
+    it for the fixture's lifetime, and check that SIGINT ends the server cleanly."""
+    config = folder / "cluster.yaml"
+    config.write_text(f"model: {model_dir}\ndevice: cpu\ndtype: float32\n{settings}")
+    process = ServerProcess(str(config), str(folder / "serve.log"), env=env)
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        code = process.stop()
+        assert code == 0, process.tail()

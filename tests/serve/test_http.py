@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.tokenizer import Tokenizer
-from server_process import ServerProcess
+from server_process import served
 
 MAX_TOKENS = 8
 ADMIN_TOKEN = "test-admin-token"
@@ -24,20 +24,10 @@ ADMIN_TOKEN = "test-admin-token"
 
 @pytest.fixture(scope="module")
 def server(tiny_mixtral_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("serve")
-    config = folder / "cluster.yaml"
-    config.write_text(
-        f"model: {tiny_mixtral_dir}\ndevice: cpu\ndtype: float32\nrouters: 2\nexpert_workers: 2\n"
-        "placement:\n  strategy: round_robin\n  redundant_slots_per_worker: 1\n"
-        "serve:\n  host: 127.0.0.1\n  port: 8000\n  served_model_name: tiny\n"
-    )
-    process = ServerProcess(str(config), str(folder / "serve.log"), env={"RAYMOE_ADMIN_TOKEN": ADMIN_TOKEN})
-    try:
-        process.wait_ready()
-        yield process
-    finally:
-        code = process.stop()
-        assert code == 0, process.tail()
+    yield from served(tmp_path_factory.mktemp("serve"), tiny_mixtral_dir,
+                      "routers: 2\nexpert_workers: 2\nplacement:\n  strategy: round_robin\n"
+                      "  redundant_slots_per_worker: 1\nserve:\n  host: 127.0.0.1\n  port: 8000\n"
+                      "  served_model_name: tiny\n", env={"RAYMOE_ADMIN_TOKEN": ADMIN_TOKEN})
 
 
 @pytest.fixture(scope="module")

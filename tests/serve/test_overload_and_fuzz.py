@@ -11,23 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_process import ServerProcess
+from server_process import served
 
 
 @pytest.fixture(scope="module")
 def small_server(tiny_mixtral_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("overload")
-    config = folder / "cluster.yaml"
-    config.write_text(
-        f"model: {tiny_mixtral_dir}\ndevice: cpu\ndtype: float32\nrouters: 1\nexpert_workers: 1\n"
-        "engine:\n  max_num_seqs: 2\nserve:\n  max_queued_per_router: 2\n"
-    )
-    process = ServerProcess(str(config), str(folder / "serve.log"))
-    try:
-        process.wait_ready()
-        yield process
-    finally:
-        assert process.stop() == 0, process.tail()
+    yield from served(tmp_path_factory.mktemp("overload"), tiny_mixtral_dir,
+                      "routers: 1\nexpert_workers: 1\nengine:\n  max_num_seqs: 2\nserve:\n  max_queued_per_router: 2\n")
 
 
 def post(url: str, data: bytes) -> tuple[int, dict, dict]:

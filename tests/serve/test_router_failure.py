@@ -13,25 +13,16 @@ import pytest
 
 from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.sampling_params import SamplingParams
-from server_process import ServerProcess
+from server_process import served
 
 TOKEN = "router-failure-token"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_mixtral_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("router-failure")
-    config = folder / "cluster.yaml"
-    config.write_text(
-        f"model: {tiny_mixtral_dir}\ndevice: cpu\ndtype: float32\nrouters: 2\nexpert_workers: 2\n"
-        "comm:\n  backend: gloo\n  timeout_s: 3.0\nbalancer:\n  enabled: false\n  poll_interval_s: 0.2\n"
-    )
-    process = ServerProcess(str(config), str(folder / "serve.log"), env={"RAYMOE_ADMIN_TOKEN": TOKEN})
-    try:
-        process.wait_ready()
-        yield process
-    finally:
-        assert process.stop() == 0, process.tail()
+    yield from served(tmp_path_factory.mktemp("router-failure"), tiny_mixtral_dir,
+                      "routers: 2\nexpert_workers: 2\ncomm:\n  backend: gloo\n  timeout_s: 3.0\n"
+                      "balancer:\n  enabled: false\n  poll_interval_s: 0.2\n", env={"RAYMOE_ADMIN_TOKEN": TOKEN})
 
 
 def call(url: str, path: str, body: dict | None = None) -> dict:
