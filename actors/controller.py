@@ -4,8 +4,9 @@ Every ``poll_interval_s`` it pulls each router's per-step logical-expert loads i
 window; every ``interval_steps`` router steps it asks :func:`raymoe.moe.rebalance_policy.decide`
 whether a new placement pays. A rebalance runs layer by layer:
 
-1. copy the layer's new experts worker to worker (from a live copy, through Ray's object
-   store), into free rows of the destination's weight pool;
+1. copy the layer's new experts worker to worker (from a live copy) with one all-to-all-v on
+   the workers' migration group (NCCL on GPUs, gloo on CPUs; separate from dispatch/combine),
+   into free rows of the destination's weight pool;
 2. every worker starts serving the next epoch (old and new epochs side by side);
 3. every router switches to the new table at a step boundary (weights and routing change
    together: a dispatch never sees a half-updated layer);
@@ -30,7 +31,8 @@ from raymoe.moe.placement import PlacementTable
 from raymoe.moe.rebalance_policy import RebalanceDecision, RebalancePolicy, decide, placement_balancedness
 
 CALL_TIMEOUT_S = 60.0
-PING_TIMEOUT_S = 5.0  # a worker that cannot answer `info` in this long is treated as lost
+PING_TIMEOUT_S = 5.0
+MIGRATION_TIMEOUT_S = 60.0  # deadline of one layer's copy collective (weights are large)  # a worker that cannot answer `info` in this long is treated as lost
 RESTART_TIMEOUT_S = 300.0
 LOST = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError)
 
@@ -49,7 +51,7 @@ def _until_available(call, timeout_s: float = RESTART_TIMEOUT_S) -> Any:
 
 class Controller:
     def __init__(self, routers: list[Any], workers: list[Any], placement: dict[str, Any], policy: RebalancePolicy,
-                 window_steps: int, interval_steps: int, poll_interval_s: float, expert_bytes: int, enabled: bool,
+                 window_steps: int, interval_steps: int, poll_interval_s: float, enabled: bool,
                  groups: dict[str, Any] | None = None):
         self.routers = routers
         # How to rebuild communicator groups: router ids, backend, deadline (see recover()).
@@ -65,7 +67,6 @@ class Controller:
         self.window: deque = deque(maxlen=window_steps)  # [L, E] per router step
         self.interval_steps = interval_steps
         self.poll_interval_s = poll_interval_s
-        self.expert_bytes = expert_bytes
         self.cursors = [0] * len(routers)
         self.steps_since_decision = 0
         self.rebalances = 0
@@ -81,6 +82,8 @@ class Controller:
         self.generation = max(info["comm_generation"] for info in router_infos)  # > 0 after a restart
         if ray.get_runtime_context().was_current_actor_reconstructed:
             self.placement = self._placement_from_workers()  # a restarted controller: the workers know
+        if self.groups:
+            self._join_migration_group()
         self._thread = threading.Thread(target=self._loop, name="raymoe-controller", daemon=True)
         self._thread.start()
 
@@ -151,16 +154,19 @@ class Controller:
         slots = self.placement.slots_per_worker
         changed = [layer for layer in range(target.num_layers)
                    if not np.array_equal(target.phy2log[layer], self.placement.phy2log[layer])]
+        moved = 0
         for layer in changed:  # a layer may change without copies (a replica dropped or re-pointed)
             current = self.placement
             layer_table = current.with_layer(layer, target.phy2log[layer])
-            # Step 1: copy the layer's new experts from live peers into free pool rows.
-            staged = []
-            for copy in (c for c in copies if c.layer == layer):
-                weights = self.workers[copy.source_worker].export_expert.remote(current.epoch, layer, copy.expert)
-                staged.append(self.workers[copy.destination_worker].stage_expert.remote(
-                    layer_table.epoch, layer, copy.destination_slot % slots, weights))
-            ray.get(staged, timeout=CALL_TIMEOUT_S)
+            # Step 1: every worker joins one all-to-all-v on the migration group that moves
+            # the layer's new experts from live peers into free pool rows.
+            layer_copies = [c for c in copies if c.layer == layer]
+            sends = [[(c.destination_worker, c.expert) for c in layer_copies if c.source_worker == w]
+                     for w in range(len(self.workers))]
+            receives = [[(c.source_worker, c.destination_slot % slots) for c in layer_copies
+                         if c.destination_worker == w] for w in range(len(self.workers))]
+            moved += sum(ray.get([w.migrate.remote(current.epoch, layer, layer_table.epoch, sends[i], receives[i])
+                                  for i, w in enumerate(self.workers)], timeout=CALL_TIMEOUT_S))
             # Step 2: workers serve the new epoch beside the old one.
             ray.get([w.activate.remote(layer_table.epoch, current.epoch, layer_table.to_dict()) for w in self.workers],
                     timeout=CALL_TIMEOUT_S)
@@ -170,7 +176,6 @@ class Controller:
             ray.get([w.retire.remote(layer_table.epoch) for w in self.workers], timeout=CALL_TIMEOUT_S)
             self.placement = layer_table
         seconds = time.perf_counter() - started
-        moved = len(copies) * self.expert_bytes
         self.rebalances += 1
         self.migration_seconds += seconds
         self.bytes_moved += moved
@@ -239,11 +244,19 @@ class Controller:
                     w.join.remote(router_id, self.groups["backend"], rendezvous, world, self.groups["timeout_s"])
                     for w in self.workers
                 ], timeout=CALL_TIMEOUT_S)
+            self._join_migration_group()
             self.generation = next_generation
             self.recoveries.append({"time": time.time(), "lost_workers": lost, "restarted_routers": restarted_routers,
                                     "generation": next_generation,
                                     "seconds": time.perf_counter() - started})
             return self.generation
+
+    def _join_migration_group(self) -> None:
+        """All workers in one group of their own for expert copies (rank = worker index)."""
+        backend, world = self.groups["backend"], len(self.workers)
+        rendezvous = ray.get(self.workers[0].migration_rendezvous.remote(backend), timeout=CALL_TIMEOUT_S)
+        ray.get([w.join_migration.remote(backend, rendezvous, world, max(self.groups["timeout_s"], MIGRATION_TIMEOUT_S))
+                 for w in self.workers], timeout=CALL_TIMEOUT_S)
 
     def _wait_restarted(self, actor: Any) -> int:
         """Wait until ``worker`` answers again; returns its pid."""

@@ -22,7 +22,7 @@ from raymoe.engine.checkpoint import Checkpoint
 from raymoe.engine.engine import resolve_dtype
 from raymoe.engine.ep_exchange import worker_exchange
 from raymoe.engine.weights import load_expert_stack
-from raymoe.kernels.comm import CommBackend, make_communicator
+from raymoe.kernels.comm import CommBackend, make_communicator, new_rendezvous
 from raymoe.kernels.comm.base import Communicator
 from raymoe.moe.model_config import load_model_config
 from raymoe.moe.placement import PlacementTable
@@ -38,6 +38,7 @@ class ExpertWorker:
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self.dtype = resolve_dtype(dtype, self.config, self.device)
         self.comms: dict[str, Communicator] = {}
+        self.migration_comm: Communicator | None = None
         self.load_placement(placement)
 
     def load_placement(self, placement: dict[str, Any]) -> None:
@@ -101,13 +102,57 @@ class ExpertWorker:
         return {"worker": self.worker, "rows": rows, "assignments": assignments, "compute_s": compute_s}
 
     # ---- migration ------------------------------------------------------------------
-    def export_expert(self, epoch: int, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of ``expert``'s weights at MoE layer ``layer`` as served in ``epoch``."""
-        slot = self.experts[epoch][layer].index(expert)
-        row = self.slot_rows[epoch][layer][slot]
-        return self.w13[layer][row].cpu().clone(), self.w2[layer][row].cpu().clone()
+    def migration_rendezvous(self, backend: str) -> Any:
+        """The rendezvous of the workers' migration group; made here because rank 0 runs here."""
+        host = ray.util.get_node_ip_address()
+        return new_rendezvous(CommBackend(backend), host=host, group_name="raymoe-migration")
 
-    def stage_expert(self, epoch: int, layer: int, slot: int, weights: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def join_migration(self, backend: str, rendezvous: Any, world_size: int, timeout_s: float) -> None:
+        """Join the workers' migration group (rank = worker index): a communicator of its own,
+        so copies never share a stream or a sequence of collectives with dispatch/combine."""
+        if self.migration_comm is not None:
+            self.migration_comm.abort()
+        self.migration_comm = make_communicator(
+            CommBackend(backend), rendezvous, rank=self.worker, world_size=world_size, timeout_s=timeout_s,
+            device=self.device if self.device.type == "cuda" else None,
+        )
+
+    def migrate(self, epoch: int, layer: int, new_epoch: int, sends: list[tuple[int, int]],
+                receives: list[tuple[int, int]]) -> int:
+        """Copy experts worker to worker over the migration group; every worker calls it.
+
+        sends: ``(destination worker, expert)`` this worker sends from what it serves in ``epoch``;
+        receives: ``(source worker, local slot)`` it receives, staged to serve from ``new_epoch``.
+        Both lists are in the order the controller made them, so the k-th expert a source sends
+        to a destination is the k-th that destination receives from it. Returns bytes sent.
+        """
+        world = self.migration_comm.world_size
+        inter, hidden = self.w2[layer].shape[2], self.w2[layer].shape[1]
+        width = 3 * inter * hidden  # gate/up rows, then down
+        # Step 1: this worker's outgoing experts, grouped by destination (stable).
+        outgoing = sorted(enumerate(sends), key=lambda item: (item[1][0], item[0]))
+        send_counts = [0] * world
+        rows = []
+        for _, (destination, expert) in outgoing:
+            slot = self.experts[epoch][layer].index(expert)
+            row = self.slot_rows[epoch][layer][slot]
+            rows.append(torch.cat([self.w13[layer][row].reshape(-1), self.w2[layer][row].reshape(-1)]))
+            send_counts[destination] += 1
+        send = torch.stack(rows) if rows else self.w13[layer].new_empty(0, width)
+        # Step 2: one all-to-all-v moves every copy of the layer.
+        incoming = sorted(enumerate(receives), key=lambda item: (item[1][0], item[0]))
+        recv_counts = [0] * world
+        for _, (source, _) in incoming:
+            recv_counts[source] += 1
+        received = self.migration_comm.exchange_payload(send, send_counts, recv_counts,
+                                                        tag=f"migration layer {layer} epoch {new_epoch}")
+        # Step 3: stage what arrived into free pool rows.
+        for row, (_, (_, slot)) in zip(received, incoming):
+            self._stage(new_epoch, layer, slot, row[: 2 * inter * hidden].view(2 * inter, hidden),
+                        row[2 * inter * hidden:].view(hidden, inter))
+        return send.numel() * send.element_size()
+
+    def _stage(self, epoch: int, layer: int, slot: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Write an incoming expert into a free pool row, to serve local ``slot`` from ``epoch`` on."""
         used = {r for rows in self.slot_rows.values() for r in rows[layer]}
         used |= {row for (_, staged_layer, _), row in self.staged.items() if staged_layer == layer}
@@ -117,9 +162,8 @@ class ExpertWorker:
                 f"worker {self.worker} layer {layer}: no free pool row to stage into; lower "
                 "balancer.max_copies_per_rebalance or retire old epochs first"
             )
-        w13, w2 = weights
-        self.w13[layer][free[0]].copy_(w13.to(self.device))
-        self.w2[layer][free[0]].copy_(w2.to(self.device))
+        self.w13[layer][free[0]].copy_(w13)
+        self.w2[layer][free[0]].copy_(w2)
         self.staged[(epoch, layer, slot)] = free[0]
 
     def activate(self, epoch: int, base_epoch: int, placement: dict[str, Any]) -> None:
@@ -154,9 +198,10 @@ class ExpertWorker:
 
     def reset_comms(self) -> None:
         """Abort every communicator (a peer failed); the supervisor builds new groups next."""
-        for comm in self.comms.values():
+        for comm in [*self.comms.values(), *([self.migration_comm] if self.migration_comm else [])]:
             comm.abort()
         self.comms.clear()
+        self.migration_comm = None
 
     def shutdown(self) -> None:
         for comm in self.comms.values():

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-import torch
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -26,7 +25,7 @@ from raymoe.actors.expert_worker import ExpertWorker
 from raymoe.actors.router import Router, StepFailure
 from raymoe.cluster.config import ClusterConfig
 from raymoe.engine.checkpoint import Checkpoint
-from raymoe.engine.engine import EngineConfig, RequestOutput, resolve_dtype
+from raymoe.engine.engine import EngineConfig, RequestOutput
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.scheduler import SchedulerConfig
 from raymoe.engine.weights import validate_checkpoint
@@ -199,8 +198,6 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
             for worker in workers
         ])
     # Step 6: the controller (it only reads telemetry and moves weights; it holds none).
-    element = resolve_dtype(config.dtype.value, model_config, torch.device("cuda" if gpus else "cpu")).itemsize
-    expert_bytes = 3 * model_config.moe_intermediate_size * model_config.hidden_size * element
     policy = RebalancePolicy(balancer.threshold, balancer.min_gain, balancer.algorithm, balancer.max_copies_per_rebalance)
     groups = {"router_ids": [f"router-{r}" for r in range(config.routers)], "backend": backend.value,
               "timeout_s": config.comm.timeout_s}
@@ -209,7 +206,7 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
         name=f"{name}-controller",
         namespace=namespace,
     ).remote(routers, workers, placement.to_dict(), policy, balancer.window_steps, balancer.interval_steps,
-             balancer.poll_interval_s, expert_bytes, balancer.enabled, groups)
+             balancer.poll_interval_s, balancer.enabled, groups)
     ray.get(controller.status.remote())  # up and reading telemetry before the first request
     ray.get([router.set_supervisor.remote(controller) for router in routers])
     return Deployment(config, model_config, placement, routers, workers, controller, group, worker_nodes)
