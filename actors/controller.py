@@ -58,6 +58,7 @@ class Controller:
         self.groups = groups or {}
         self.generation = 0
         self.recoveries: list[dict[str, Any]] = []
+        self.degraded: dict[str, Any] | None = None  # lost workers while replicas serve for them
         self._recover_lock = threading.Lock()
         # A worker Ray has already restarted answers pings; its new pid gives it away.
         self.worker_pids = [info["pid"] for info in ray.get([w.info.remote() for w in workers], timeout=CALL_TIMEOUT_S)]
@@ -131,6 +132,9 @@ class Controller:
     def rebalance(self, force: bool = True) -> dict[str, Any]:
         """Decide on the current window and, if it pays (or ``force``), migrate. Returns a report."""
         with self._rebalance_lock:
+            if self.degraded is not None:
+                return {"time": time.time(), "rebalanced": False,
+                        "reason": f"workers {self.degraded['lost']} are being restarted; rebalancing waits"}
             self.poll()
             self.steps_since_decision = 0
             decision = decide(self.window_load(), self.placement, self.policy, force=force)
@@ -194,8 +198,9 @@ class Controller:
 
         1. Ping every worker; one that is dead or does not answer is lost.
         2. Kill lost workers that are merely frozen, so Ray restarts them (a worker is
-           restartable: it reloads its experts from the checkpoint).
-        3. Wait for the restarted workers and load the current placement into them.
+           restartable: it reloads its experts from the checkpoint). If every lost expert has
+           a replica on a survivor, serve on the survivors at once (``_serve_on_replicas``).
+        3. Otherwise wait for the restarted workers and load the current placement into them.
         4. Abort every old communicator and join every router with every worker anew.
         """
         with self._recover_lock:
@@ -217,8 +222,13 @@ class Controller:
             for index in frozen:
                 ray.kill(self.workers[index], no_restart=False)
             lost = sorted(lost + frozen)
+            for index in restarted:  # back already: it serves the placement in service
+                self.worker_pids[index] = self._wait_restarted(self.workers[index])
+                _until_available(lambda w=self.workers[index]: w.load_placement.remote(self.placement.to_dict()))
+            if lost and self.degraded is None and self._covered_without(lost):
+                return self._serve_on_replicas(lost, restarted, started)
             # Step 3: wait for them, then give them the placement in service.
-            for index in sorted(lost + restarted):
+            for index in lost:
                 self.worker_pids[index] = self._wait_restarted(self.workers[index])
                 _until_available(lambda w=self.workers[index]: w.load_placement.remote(self.placement.to_dict()))
             lost = sorted(lost + restarted)
@@ -234,22 +244,93 @@ class Controller:
                              router.set_placement.remote(self.placement.to_dict())], timeout=CALL_TIMEOUT_S)
                     restarted_routers.append(index)
             # Step 4: new groups, one per router, everybody joins.
-            for actor in [*self.workers, *self.routers]:
-                _until_available(actor.reset_comms.remote if actor in self.workers else actor.abort_comm.remote)
-            world = 1 + len(self.workers)
-            next_generation = self.generation + 1
-            for router_id, router in zip(self.groups["router_ids"], self.routers):
-                rendezvous = ray.get(router.rendezvous.remote(), timeout=CALL_TIMEOUT_S)
-                ray.get([router.join.remote(rendezvous, next_generation)] + [
-                    w.join.remote(router_id, self.groups["backend"], rendezvous, world, self.groups["timeout_s"])
-                    for w in self.workers
-                ], timeout=CALL_TIMEOUT_S)
-            self._join_migration_group()
-            self.generation = next_generation
+            self._rebuild_groups(list(range(len(self.workers))))
+            next_generation = self.generation
             self.recoveries.append({"time": time.time(), "lost_workers": lost, "restarted_routers": restarted_routers,
-                                    "generation": next_generation,
+                                    "mode": "restart", "generation": next_generation,
                                     "seconds": time.perf_counter() - started})
             return self.generation
+
+    def _rebuild_groups(self, members: list[int]) -> None:
+        """Abort every communicator and join every router with ``members`` (worker indices) anew."""
+        for index in members:
+            _until_available(self.workers[index].reset_comms.remote)
+        for router in self.routers:
+            _until_available(router.abort_comm.remote)
+        world = 1 + len(members)
+        next_generation = self.generation + 1
+        for router_id, router in zip(self.groups["router_ids"], self.routers):
+            rendezvous = ray.get(router.rendezvous.remote(), timeout=CALL_TIMEOUT_S)
+            ray.get([router.join.remote(rendezvous, next_generation, members)] + [
+                self.workers[w].join.remote(router_id, self.groups["backend"], rendezvous, world,
+                                            self.groups["timeout_s"], 1 + rank)
+                for rank, w in enumerate(members)
+            ], timeout=CALL_TIMEOUT_S)
+        if len(members) == len(self.workers):
+            self._join_migration_group()
+        self.generation = next_generation
+
+    def _covered_without(self, lost: list[int]) -> bool:
+        """Every logical expert of every layer still has a slot on a worker not in ``lost``."""
+        table = self.placement
+        alive = [s for s in range(table.num_slots) if s // table.slots_per_worker not in lost]
+        return all(set(table.phy2log[layer, alive].tolist()) >= set(range(table.num_experts))
+                   for layer in range(table.num_layers))
+
+    def _serve_on_replicas(self, lost: list[int], restarted: list[int], started: float) -> int:
+        """Keep serving at once: the survivors' replicas take the lost workers' tokens.
+
+        The lost workers' slots become empty in a new epoch, the groups are rebuilt over the
+        survivors only, and a background thread re-includes the workers once Ray has
+        restarted them (their experts come back from the checkpoint).
+        """
+        current = self.placement
+        phy2log = current.phy2log.copy()
+        for index in lost:
+            phy2log[:, current.worker_slots(index)] = -1
+        degraded = current.with_phy2log(phy2log)
+        survivors = [w for w in range(len(self.workers)) if w not in lost]
+        ray.get([self.workers[w].activate.remote(degraded.epoch, current.epoch, degraded.to_dict())
+                 for w in survivors], timeout=CALL_TIMEOUT_S)
+        for router in self.routers:
+            _until_available(router.abort_comm.remote)
+        ray.get([r.set_placement.remote(degraded.to_dict()) for r in self.routers], timeout=CALL_TIMEOUT_S)
+        self._rebuild_groups(survivors)
+        self.placement = degraded
+        self.degraded = {"lost": lost, "rows": current.phy2log.copy()}
+        self.recoveries.append({"time": time.time(), "lost_workers": lost, "restarted_routers": [],
+                                "mode": "replicas", "generation": self.generation,
+                                "seconds": time.perf_counter() - started})
+        threading.Thread(target=self._reinclude, name="raymoe-reinclude", daemon=True).start()
+        return self.generation
+
+    def _reinclude(self) -> None:
+        """Once the lost workers are back, serve the full placement again."""
+        try:
+            lost = self.degraded["lost"]
+            pids = {index: self._wait_restarted(self.workers[index]) for index in lost}
+            with self._recover_lock:
+                started = time.perf_counter()
+                current = self.placement
+                restored = current.with_phy2log(self.degraded["rows"])
+                for index in lost:
+                    self.worker_pids[index] = pids[index]
+                    _until_available(lambda w=self.workers[index]: w.load_placement.remote(restored.to_dict()))
+                survivors = [w for w in range(len(self.workers)) if w not in lost]
+                ray.get([self.workers[w].activate.remote(restored.epoch, current.epoch, restored.to_dict())
+                         for w in survivors], timeout=CALL_TIMEOUT_S)
+                for router in self.routers:
+                    _until_available(router.abort_comm.remote)
+                ray.get([r.set_placement.remote(restored.to_dict()) for r in self.routers], timeout=CALL_TIMEOUT_S)
+                self._rebuild_groups(list(range(len(self.workers))))
+                ray.get([self.workers[w].retire.remote(restored.epoch) for w in survivors], timeout=CALL_TIMEOUT_S)
+                self.placement = restored
+                self.degraded = None
+                self.recoveries.append({"time": time.time(), "reincluded_workers": lost, "mode": "reinclude",
+                                        "generation": self.generation, "seconds": time.perf_counter() - started})
+        except Exception as error:  # visible in status(); the next failed step retries recovery
+            self.last = {"error": f"re-including workers failed: {type(error).__name__}: {error}",
+                         "time": time.time()}
 
     def _join_migration_group(self) -> None:
         """All workers in one group of their own for expert copies (rank = worker index)."""

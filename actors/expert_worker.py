@@ -76,10 +76,11 @@ class ExpertWorker:
             "experts": self.experts[latest],
         }
 
-    def join(self, router_id: str, backend: str, rendezvous: Any, world_size: int, timeout_s: float) -> None:
-        """Join ``router_id``'s group as rank ``1 + worker``; blocks until every rank joined."""
+    def join(self, router_id: str, backend: str, rendezvous: Any, world_size: int, timeout_s: float,
+             rank: int | None = None) -> None:
+        """Join ``router_id``'s group (rank ``1 + worker`` unless given); blocks until every rank joined."""
         self.comms[router_id] = make_communicator(
-            CommBackend(backend), rendezvous, rank=1 + self.worker, world_size=world_size,
+            CommBackend(backend), rendezvous, rank=1 + self.worker if rank is None else rank, world_size=world_size,
             timeout_s=timeout_s, device=self.device if self.device.type == "cuda" else None,
         )
 

@@ -104,11 +104,14 @@ class Router:
         host = ray.util.get_node_ip_address()
         return new_rendezvous(self.backend, host=host, group_name=f"raymoe-{self.router_id}")
 
-    def join(self, rendezvous: Any, generation: int = 0) -> None:
+    def join(self, rendezvous: Any, generation: int = 0, participants: list[int] | None = None) -> None:
+        """Join a group as rank 0 with ``participants`` (worker indices, rank order; default all)."""
         device = torch.device("cuda", 0) if self.backend is CommBackend.NCCL else None
+        members = list(range(len(self.workers))) if participants is None else list(participants)
         self.experts.comm = make_communicator(
-            self.backend, rendezvous, rank=0, world_size=1 + len(self.workers), timeout_s=self.timeout_s, device=device
+            self.backend, rendezvous, rank=0, world_size=1 + len(members), timeout_s=self.timeout_s, device=device
         )
+        self.experts.participants = members
         self.comm_generation = generation
         if self._thread is None:
             self._thread = threading.Thread(target=self._step_loop, name=f"{self.router_id}-steps", daemon=True)
@@ -123,7 +126,9 @@ class Router:
         self.supervisor = supervisor
 
     def _start_step(self, epoch: int) -> None:
-        self._pending = [worker.serve_step.remote(self.router_id, epoch) for worker in self.workers]
+        members = self.experts.participants
+        members = range(len(self.workers)) if members is None else members
+        self._pending = [self.workers[w].serve_step.remote(self.router_id, epoch) for w in members]
 
     def _finish_step(self) -> list[dict[str, Any]]:
         pending, self._pending = self._pending, []

@@ -58,12 +58,22 @@ def build_meta(plan: DispatchPlan, top_k: int) -> torch.Tensor:
 
 
 def router_exchange(
-    comm: Communicator, plan: DispatchPlan, hidden: torch.Tensor, top_k: int, layer: int
+    comm: Communicator, plan: DispatchPlan, hidden: torch.Tensor, top_k: int, layer: int,
+    participants: list[int] | None = None,
 ) -> tuple[torch.Tensor, LayerTraffic]:
-    """The router's side: send rows and meta, receive partial sums; returns ``[T, D]``."""
+    """The router's side: send rows and meta, receive partial sums; returns ``[T, D]``.
+
+    ``participants``: the workers in the group, worker ``participants[i]`` at rank ``1 + i``
+    (all workers when None). A worker outside the group must have no rows in ``plan``.
+    """
     world = comm.world_size
     started = time.perf_counter()
-    send_counts = torch.cat([torch.zeros(1, dtype=torch.int64), plan.send_counts])  # [1 + W]
+    if participants is None:
+        participants = list(range(plan.num_workers))
+    outside = [w for w in range(plan.num_workers) if w not in participants and int(plan.send_counts[w])]
+    if outside:
+        raise ValueError(f"layer {layer}: the plan sends rows to workers {outside}, which are not in the group")
+    send_counts = torch.cat([torch.zeros(1, dtype=torch.int64), plan.send_counts[participants]])  # [1 + |group|]
     comm.exchange_counts(send_counts, tag=f"layer {layer} counts")
     zeros = [0] * world
     counts = send_counts.tolist()

@@ -17,6 +17,7 @@ from raymoe.engine.ep_exchange import router_exchange
 from raymoe.engine.experts import plan_layer
 from raymoe.engine.telemetry import Telemetry
 from raymoe.kernels.comm.base import Communicator
+from raymoe.kernels.comm.errors import CommError
 from raymoe.moe.capacity import CapacityConfig
 from raymoe.moe.placement import PlacementTable
 
@@ -38,6 +39,7 @@ class RemoteExperts:
         self.finish_step = finish_step
         self.telemetry = telemetry
         self.comm: Communicator | None = None
+        self.participants: list[int] | None = None  # workers in the group, in rank order (None: all)
         self._tables = self._index_tables(placement)
         self._step_started = 0.0
         self._moe_seconds = 0.0
@@ -60,8 +62,8 @@ class RemoteExperts:
     def forward(
         self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        if self.comm is None:
-            raise RuntimeError("the router has not joined its expert workers yet (no communicator)")
+        if self.comm is None:  # a CommError, so the router waits for the supervisor's rebuild
+            raise CommError("the router is not joined with its expert workers (no communicator)")
         if moe_layer == 0:
             self._step_started = time.perf_counter()
             self._moe_seconds = 0.0
@@ -70,7 +72,7 @@ class RemoteExperts:
         started = time.perf_counter()
         log2phy, logcnt = self._tables[moe_layer]
         plan = plan_layer(self.placement, moe_layer, topk_ids, topk_weights, self.capacity, log2phy, logcnt)
-        out, traffic = router_exchange(self.comm, plan, hidden, self.top_k, moe_layer)
+        out, traffic = router_exchange(self.comm, plan, hidden, self.top_k, moe_layer, self.participants)
         dropped = torch.zeros(self.placement.num_workers, dtype=torch.int64)
         if plan.num_dropped:
             home_worker = log2phy[topk_ids.cpu()[plan.slot < 0], 0] // self.placement.slots_per_worker
