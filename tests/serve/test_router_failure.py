@@ -67,3 +67,30 @@ def test_router_killed_under_load_loses_no_request(server, tiny_mixtral_dir):
     assert [b["choices"][0]["token_ids"] for b in bodies] == expected[:8]
     with urllib.request.urlopen(f"{server.url}/health", timeout=30) as response:
         assert response.status == 200
+
+
+def test_a_stream_whose_router_dies_after_sending_tokens_ends_with_an_error_event(server):
+    # With nothing else in flight the ingress picks router 0 (fewest requests, lowest index).
+    deadline = time.monotonic() + 120
+    while not all(r.get("alive") for r in call(server.url, "/admin/placement")["routers"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    victim = call(server.url, "/admin/placement")["routers"][0]["pid"]
+    body = json.dumps({"prompt": [7, 8, 9], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                       "stream": True}).encode()
+    request = urllib.request.Request(server.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            events.append(line[len("data: "):])
+            if len(events) == 2:
+                os.kill(victim, signal.SIGKILL)  # tokens have reached the client
+    assert events[-1] == "[DONE]"
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert "choices" in payloads[0]  # tokens were streamed first
+    assert "error" in payloads[-1] and payloads[-1]["error"]["code"] == "step_failed"
+    assert "lost after" in payloads[-1]["error"]["message"]
