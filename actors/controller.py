@@ -37,6 +37,21 @@ RESTART_TIMEOUT_S = 300.0
 LOST = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError)
 
 
+def join_router_groups(routers: list[Any], router_ids: list[str], workers: list[Any], members: list[int],
+                       backend: str, timeout_s: float, generation: int) -> None:
+    """One communicator group per router: the router is rank 0, worker ``members[i]`` rank ``1 + i``.
+
+    Every rank must join or none completes; deploy and recovery both build groups here.
+    """
+    world = 1 + len(members)
+    for router_id, router in zip(router_ids, routers):
+        rendezvous = ray.get(router.rendezvous.remote(), timeout=CALL_TIMEOUT_S)
+        ray.get([router.join.remote(rendezvous, generation, members)] + [
+            workers[w].join.remote(router_id, backend, rendezvous, world, timeout_s, 1 + rank)
+            for rank, w in enumerate(members)
+        ], timeout=CALL_TIMEOUT_S)
+
+
 def _until_available(call, timeout_s: float = RESTART_TIMEOUT_S) -> Any:
     """``ray.get(call())``, retried while the actor is between restarts."""
     deadline = time.monotonic() + timeout_s
@@ -257,18 +272,23 @@ class Controller:
             _until_available(self.workers[index].reset_comms.remote)
         for router in self.routers:
             _until_available(router.abort_comm.remote)
-        world = 1 + len(members)
         next_generation = self.generation + 1
-        for router_id, router in zip(self.groups["router_ids"], self.routers):
-            rendezvous = ray.get(router.rendezvous.remote(), timeout=CALL_TIMEOUT_S)
-            ray.get([router.join.remote(rendezvous, next_generation, members)] + [
-                self.workers[w].join.remote(router_id, self.groups["backend"], rendezvous, world,
-                                            self.groups["timeout_s"], 1 + rank)
-                for rank, w in enumerate(members)
-            ], timeout=CALL_TIMEOUT_S)
+        join_router_groups(self.routers, self.groups["router_ids"], self.workers, members, self.groups["backend"],
+                           self.groups["timeout_s"], next_generation)
         if len(members) == len(self.workers):
             self._join_migration_group()
         self.generation = next_generation
+
+    def _switch_groups(self, table: PlacementTable, base_epoch: int, activate_on: list[int],
+                       members: list[int]) -> None:
+        """Serve ``table`` with groups over ``members``: workers in ``activate_on`` add its epoch,
+        routers stop (comms aborted), switch placement, and join the new groups."""
+        ray.get([self.workers[w].activate.remote(table.epoch, base_epoch, table.to_dict()) for w in activate_on],
+                timeout=CALL_TIMEOUT_S)
+        for router in self.routers:
+            _until_available(router.abort_comm.remote)
+        ray.get([r.set_placement.remote(table.to_dict()) for r in self.routers], timeout=CALL_TIMEOUT_S)
+        self._rebuild_groups(members)
 
     def _covered_without(self, lost: list[int]) -> bool:
         """Every logical expert of every layer still has a slot on a worker not in ``lost``."""
@@ -290,12 +310,7 @@ class Controller:
             phy2log[:, current.worker_slots(index)] = -1
         degraded = current.with_phy2log(phy2log)
         survivors = [w for w in range(len(self.workers)) if w not in lost]
-        ray.get([self.workers[w].activate.remote(degraded.epoch, current.epoch, degraded.to_dict())
-                 for w in survivors], timeout=CALL_TIMEOUT_S)
-        for router in self.routers:
-            _until_available(router.abort_comm.remote)
-        ray.get([r.set_placement.remote(degraded.to_dict()) for r in self.routers], timeout=CALL_TIMEOUT_S)
-        self._rebuild_groups(survivors)
+        self._switch_groups(degraded, current.epoch, survivors, survivors)
         self.placement = degraded
         self.degraded = {"lost": lost, "rows": current.phy2log.copy()}
         self.recoveries.append({"time": time.time(), "lost_workers": lost, "restarted_routers": [],
@@ -317,12 +332,7 @@ class Controller:
                     self.worker_pids[index] = pids[index]
                     _until_available(lambda w=self.workers[index]: w.load_placement.remote(restored.to_dict()))
                 survivors = [w for w in range(len(self.workers)) if w not in lost]
-                ray.get([self.workers[w].activate.remote(restored.epoch, current.epoch, restored.to_dict())
-                         for w in survivors], timeout=CALL_TIMEOUT_S)
-                for router in self.routers:
-                    _until_available(router.abort_comm.remote)
-                ray.get([r.set_placement.remote(restored.to_dict()) for r in self.routers], timeout=CALL_TIMEOUT_S)
-                self._rebuild_groups(list(range(len(self.workers))))
+                self._switch_groups(restored, current.epoch, survivors, list(range(len(self.workers))))
                 ray.get([self.workers[w].retire.remote(restored.epoch) for w in survivors], timeout=CALL_TIMEOUT_S)
                 self.placement = restored
                 self.degraded = None

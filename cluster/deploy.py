@@ -20,7 +20,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raymoe.actors.controller import Controller
+from raymoe.actors.controller import Controller, join_router_groups
 from raymoe.actors.expert_worker import ExpertWorker
 from raymoe.actors.router import Router, StepFailure
 from raymoe.cluster.config import ClusterConfig
@@ -190,17 +190,12 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
         for r in range(config.routers)
     ]
     # Step 5: one communicator group per router: the router is rank 0, worker w is 1 + w.
-    world = 1 + config.expert_workers
-    for index, router in enumerate(routers):
-        rendezvous = ray.get(router.rendezvous.remote())
-        ray.get([router.join.remote(rendezvous)] + [
-            worker.join.remote(f"router-{index}", backend.value, rendezvous, world, config.comm.timeout_s)
-            for worker in workers
-        ])
+    router_ids = [f"router-{r}" for r in range(config.routers)]
+    join_router_groups(routers, router_ids, workers, list(range(config.expert_workers)), backend.value,
+                       config.comm.timeout_s, generation=0)
     # Step 6: the controller (it only reads telemetry and moves weights; it holds none).
     policy = RebalancePolicy(balancer.threshold, balancer.min_gain, balancer.algorithm, balancer.max_copies_per_rebalance)
-    groups = {"router_ids": [f"router-{r}" for r in range(config.routers)], "backend": backend.value,
-              "timeout_s": config.comm.timeout_s}
+    groups = {"router_ids": router_ids, "backend": backend.value, "timeout_s": config.comm.timeout_s}
     controller = ray.remote(Controller).options(
         num_cpus=0 if gpus else CPU_SLIVER, max_concurrency=4 + config.routers, max_restarts=-1,
         name=f"{name}-controller",
