@@ -37,19 +37,17 @@ RESTART_TIMEOUT_S = 300.0
 LOST = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError)
 
 
-def join_router_groups(routers: list[Any], router_ids: list[str], workers: list[Any], members: list[int],
-                       backend: str, timeout_s: float, generation: int) -> None:
-    """One communicator group per router: the router is rank 0, worker ``members[i]`` rank ``1 + i``.
-
-    Every rank must join or none completes; deploy and recovery both build groups here.
-    """
-    world = 1 + len(members)
-    for router_id, router in zip(router_ids, routers):
-        rendezvous = ray.get(router.rendezvous.remote(), timeout=CALL_TIMEOUT_S)
-        ray.get([router.join.remote(rendezvous, generation, members)] + [
-            workers[w].join.remote(router_id, backend, rendezvous, world, timeout_s, 1 + rank)
-            for rank, w in enumerate(members)
-        ], timeout=CALL_TIMEOUT_S)
+def join_ep_group(routers: list[Any], workers: list[Any], members: list[int], backend: str, timeout_s: float,
+                  generation: int) -> None:
+    """The deployment's one expert-parallel group: router ``r`` is rank ``r``, worker
+    ``members[i]`` is rank ``len(routers) + i``. Every rank must join or none completes; deploy
+    and recovery both build the group here."""
+    rendezvous = ray.get(routers[0].rendezvous.remote(), timeout=CALL_TIMEOUT_S)
+    num_routers = len(routers)
+    ray.get([router.join.remote(rendezvous, generation, members) for router in routers] + [
+        workers[w].join.remote(backend, rendezvous, num_routers + rank, num_routers, members, timeout_s, generation)
+        for rank, w in enumerate(members)
+    ], timeout=CALL_TIMEOUT_S)
 
 
 def _until_available(call, timeout_s: float = RESTART_TIMEOUT_S) -> Any:
@@ -273,8 +271,8 @@ class Controller:
         for router in self.routers:
             _until_available(router.abort_comm.remote)
         next_generation = self.generation + 1
-        join_router_groups(self.routers, self.groups["router_ids"], self.workers, members, self.groups["backend"],
-                           self.groups["timeout_s"], next_generation)
+        join_ep_group(self.routers, self.workers, members, self.groups["backend"], self.groups["timeout_s"],
+                      next_generation)
         if len(members) == len(self.workers):
             self._join_migration_group()
         self.generation = next_generation

@@ -1,9 +1,10 @@
 """The expert worker actor: one expert-parallel rank (one GPU, or one CPU slot).
 
 It holds the weights of its physical slots for every MoE layer, read straight from the
-checkpoint (only its own experts), joins one communicator group per router, and serves a
-router's step when asked: for every MoE layer, receive rows, run its slots, send sums back
-(engine/ep_exchange.py). Operators find it as ``ExpertWorker`` in ``ray list actors``.
+checkpoint (only its own experts), joins the deployment's one expert-parallel group, and from
+then on runs a persistent loop driven by that group, with no Ray call per step: for every MoE
+layer, receive every router's rows, run its experts over all of them at once, send the sums
+back (engine/ep_exchange.py). Operators find it as ``ExpertWorker`` in ``ray list actors``.
 
 Weights live in a per-layer pool a little larger than the worker's slots. Each placement
 epoch maps slots to pool rows, so a migration stages new experts into free rows while every
@@ -13,6 +14,8 @@ router keeps serving with the epoch it uses; rows are freed when no epoch uses t
 from __future__ import annotations
 
 import os
+import threading
+from collections import deque
 from typing import Any
 
 import ray
@@ -20,7 +23,8 @@ import torch
 
 from raymoe.engine.checkpoint import Checkpoint
 from raymoe.engine.engine import resolve_dtype
-from raymoe.engine.ep_exchange import worker_exchange
+from raymoe.actors.devices import actor_cuda_device
+from raymoe.engine.ep_exchange import GroupLayout, WorkerExchange
 from raymoe.engine.weights import load_expert_stack
 from raymoe.kernels.comm import CommBackend, make_communicator, new_rendezvous
 from raymoe.kernels.comm.base import Communicator
@@ -35,10 +39,14 @@ class ExpertWorker:
         self.model_dir = model_dir
         self.spare_rows = spare_rows
         self.config = load_model_config(model_dir)
-        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        self.device = actor_cuda_device() if device == "cuda" else torch.device("cpu")
         self.dtype = resolve_dtype(dtype, self.config, self.device)
-        self.comms: dict[str, Communicator] = {}
+        self.exchange: WorkerExchange | None = None
         self.migration_comm: Communicator | None = None
+        self.generation = -1
+        self.last_error: str | None = None
+        self.steps_served = 0
+        self.step_stats: deque = deque(maxlen=1000)  # per step: rows, assignments, compute seconds
         self.load_placement(placement)
 
     def load_placement(self, placement: dict[str, Any]) -> None:
@@ -51,20 +59,29 @@ class ExpertWorker:
         self.slots = table.slots_per_worker
         self.num_layers = table.num_layers
         checkpoint = Checkpoint(self.model_dir)
-        self.w13: list[torch.Tensor] = []  # per MoE layer: [S + spare, 2I, D]
-        self.w2: list[torch.Tensor] = []  # per MoE layer: [S + spare, D, I]
+        w13s: list[torch.Tensor] = []  # per MoE layer: [S + spare, 2I, D]
+        w2s: list[torch.Tensor] = []  # per MoE layer: [S + spare, D, I]
         padding = [-1] * self.spare_rows
         for moe_layer, layer in enumerate(self.config.moe_layers):
             experts = table.worker_experts(moe_layer, self.worker) + padding
             w13, w2 = load_expert_stack(checkpoint, self.config, layer, experts, self.dtype, self.device)
-            self.w13.append(w13)
-            self.w2.append(w2)
+            w13s.append(w13)
+            w2s.append(w2)
+        self.w13, self.w2 = w13s, w2s
         # epoch -> per layer, the pool row serving each of this worker's slots
         self.slot_rows: dict[int, list[list[int]]] = {
             table.epoch: [list(range(self.slots)) for _ in range(self.num_layers)]}
         self.experts: dict[int, list[list[int]]] = {
             table.epoch: [table.worker_experts(layer, self.worker) for layer in range(self.num_layers)]}
         self.staged: dict[tuple[int, int, int], int] = {}  # (epoch, layer, slot) -> pool row
+        self._publish_pool_rows()
+
+    def _publish_pool_rows(self) -> None:
+        """The serving loop's view of ``slot_rows``: epoch -> per layer the pool row of each slot, as
+        host ints and as a device tensor, swapped in as one new dict so the loop never sees a
+        half-made one."""
+        self.pool_rows = {epoch: [(list(rows), torch.tensor(rows, dtype=torch.int64, device=self.device))
+                                  for rows in layers] for epoch, layers in self.slot_rows.items()}
 
     def info(self) -> dict[str, Any]:
         latest = max(self.experts)
@@ -74,33 +91,57 @@ class ExpertWorker:
             "node_id": ray.get_runtime_context().get_node_id(),
             "epochs": sorted(self.slot_rows),
             "experts": self.experts[latest],
+            "generation": self.generation,
+            "serving": self.exchange is not None,
+            "steps_served": self.steps_served,
+            "last_error": self.last_error,
         }
 
-    def join(self, router_id: str, backend: str, rendezvous: Any, world_size: int, timeout_s: float,
-             rank: int | None = None) -> None:
-        """Join ``router_id``'s group (rank ``1 + worker`` unless given); blocks until every rank joined."""
-        self.comms[router_id] = make_communicator(
-            CommBackend(backend), rendezvous, rank=1 + self.worker if rank is None else rank, world_size=world_size,
-            timeout_s=timeout_s, device=self.device if self.device.type == "cuda" else None,
-        )
+    def ready(self) -> bool:
+        """True once constructed, i.e. once this worker's experts are loaded."""
+        return True
 
-    def serve_step(self, router_id: str, epoch: int) -> dict[str, list]:
-        """Serve every MoE layer of one of ``router_id``'s steps, in order, with ``epoch``'s slots."""
-        comm = self.comms[router_id]
-        if epoch not in self.slot_rows:
-            raise RuntimeError(f"worker {self.worker} has no placement epoch {epoch} (has {sorted(self.slot_rows)})")
-        slot_rows = self.slot_rows[epoch]
-        rows, assignments, compute_s = [], [], []
-        with torch.inference_mode():
-            for moe_layer in range(self.num_layers):
-                result = worker_exchange(
-                    comm, self.w13[moe_layer], self.w2[moe_layer], slot_rows[moe_layer], self.config.hidden_size,
-                    self.config.top_k, self.dtype, self.device, moe_layer,
-                )
-                rows.append(result.rows)
-                assignments.append(result.assignments)
-                compute_s.append(result.compute_s)
-        return {"worker": self.worker, "rows": rows, "assignments": assignments, "compute_s": compute_s}
+    def join(self, backend: str, rendezvous: Any, rank: int, num_routers: int, participants: list[int],
+             timeout_s: float, generation: int = 0) -> None:
+        """Join the deployment's group as ``rank`` (blocks until every rank joined), then serve
+        it from a persistent loop until the group breaks or is replaced."""
+        layout = GroupLayout(num_routers, tuple(participants))
+        comm = make_communicator(
+            CommBackend(backend), rendezvous, rank=rank, world_size=layout.world_size, timeout_s=timeout_s,
+            device=self.device if self.device.type == "cuda" else None,
+        )
+        exchange = WorkerExchange(comm, layout, self.slots, self.config.hidden_size, self.config.top_k, self.dtype,
+                                  self.device)
+        self.exchange, self.generation, self.last_error = exchange, generation, None
+        threading.Thread(target=self._serve_loop, args=(exchange,), name=f"worker-{self.worker}-g{generation}",
+                         daemon=True).start()
+
+    def _serve_loop(self, exchange: WorkerExchange) -> None:
+        """Serve group steps until this exchange is replaced or fails. Each step: every MoE
+        layer in order; the first layer's header may instead be an idle tick."""
+        try:
+            with torch.inference_mode():
+                while self.exchange is exchange:
+                    headers = exchange.receive_headers(0)
+                    if headers is None:
+                        continue
+                    rows, assignments, compute_s = 0, 0, 0.0
+                    pool_rows = self.pool_rows  # one placement view for the whole step
+                    for layer in range(self.num_layers):
+                        if layer:
+                            headers = exchange.receive_headers(layer)
+                        result = exchange.serve_layer(layer, headers, self.w13[layer], self.w2[layer],
+                                                      {epoch: rows_[layer] for epoch, rows_ in pool_rows.items()})
+                        rows += result.rows
+                        assignments += result.assignments
+                        compute_s += result.compute_s
+                    self.steps_served += 1
+                    self.step_stats.append((rows, assignments, compute_s))
+        except Exception as error:  # the group is broken: peers fail fast, the controller rebuilds
+            if self.exchange is exchange:
+                self.last_error = f"{type(error).__name__}: {error}"
+                self.exchange = None
+            exchange.comm.abort()
 
     # ---- migration ------------------------------------------------------------------
     def migration_rendezvous(self, backend: str) -> Any:
@@ -190,21 +231,23 @@ class ExpertWorker:
                     )
         self.slot_rows[epoch] = rows
         self.experts[epoch] = experts
+        self._publish_pool_rows()
 
     def retire(self, epochs_below: int) -> None:
         """Forget every epoch older than ``epochs_below``; their pool rows become free."""
         for epoch in [e for e in self.slot_rows if e < epochs_below]:
             del self.slot_rows[epoch]
             del self.experts[epoch]
+        self._publish_pool_rows()
 
     def reset_comms(self) -> None:
         """Abort every communicator (a peer failed); the supervisor builds new groups next."""
-        for comm in [*self.comms.values(), *([self.migration_comm] if self.migration_comm else [])]:
+        exchange, self.exchange = self.exchange, None
+        for comm in [*([exchange.comm] if exchange else []), *([self.migration_comm] if self.migration_comm else [])]:
             comm.abort()
-        self.comms.clear()
         self.migration_comm = None
 
     def shutdown(self) -> None:
-        for comm in self.comms.values():
-            comm.close()
-        self.comms.clear()
+        exchange, self.exchange = self.exchange, None
+        if exchange is not None:
+            exchange.comm.close()

@@ -1,10 +1,12 @@
 """The router actor: owns its requests, the dense weights, the KV cache and the gate.
 
 It runs the in-process engine's loop on a background thread with
-:class:`~raymoe.engine.remote_experts.RemoteExperts` as the expert backend: every step asks
-each expert worker to serve that step, then walks the layers, dispatching and combining over
-the router's communicator group (rank 0 = this router). Requests arrive through actor calls
-and their tokens stream back as they are sampled. Operators find it as ``Router`` in
+:class:`~raymoe.engine.remote_experts.RemoteExperts` as the expert backend, in lockstep with
+every other router over the deployment's one expert-parallel group (this router is rank
+``router_index``): each turn the routers agree whether anyone has work, then each runs its
+engine step (or zero rows, when it has none) through every MoE layer's dispatch and combine.
+No Ray call per step. Requests arrive through actor calls and their tokens stream back as
+they are sampled. Operators find it as ``Router`` in
 ``ray list actors``.
 """
 
@@ -14,13 +16,15 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 import ray
 import torch
 
 from raymoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
+from raymoe.actors.devices import actor_cuda_device
+from raymoe.engine.ep_exchange import GroupLayout, RouterExchange
 from raymoe.engine.remote_experts import RemoteExperts
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.telemetry import Telemetry
@@ -29,14 +33,18 @@ from raymoe.kernels.comm import CommBackend, CommError, make_communicator, new_r
 from raymoe.moe.model_config import load_model_config
 from raymoe.moe.placement import PlacementTable
 
-# A worker that answers late still has to be waited for at the end of a step, but never longer
-# than the collectives' own deadline plus this slack.
-STEP_WAIT_SLACK_S = 5.0
 RECOVERY_TIMEOUT_S = 600.0
 # Failures a rebuilt communicator group fixes: a peer that died, froze or broke the group.
 RECOVERABLE = (CommError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
                ray.exceptions.ActorUnavailableError)
-IDLE_WAIT_S = 0.5  # the step thread re-checks for shutdown this often when idle
+# Idle routers re-check for work after IDLE_MIN_S, doubling up to IDLE_MAX_S (the most a new
+# request waits for the other routers to join its first step); every TICK_ROUNDS idle rounds
+# (a lone router: every TICK_S) the workers hear that no step is coming.
+IDLE_MIN_S = 0.0005
+IDLE_MAX_S = 0.016
+TICK_ROUNDS = 32
+TICK_S = 0.5
+NOT_JOINED_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,14 @@ class TokenDelta:
     finish_reason: str | None
     stop_text_index: int | None
     num_prompt_tokens: int
+
+
+@dataclass
+class ScoreJob:
+    prompts: list[list[int]]
+    result: Any = None
+    error: Exception | None = None
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True)
@@ -71,97 +87,158 @@ class Router:
         workers: list[Any],
         backend: str,
         timeout_s: float,
+        router_index: int = 0,
+        num_routers: int = 1,
     ):
         self.router_id = router_id
+        self.router_index = router_index
+        self.num_routers = num_routers
         self.workers = workers
         self.backend = CommBackend(backend).resolve()
         self.timeout_s = timeout_s
         self.placement = PlacementTable.from_dict(placement)
         config = load_model_config(model_dir)
+        self.config = config
+        if engine_config.device == "cuda":
+            engine_config = replace(engine_config, device=str(actor_cuda_device()))
         self.telemetry = Telemetry(self.placement.num_layers, self.placement.num_slots, self.placement.num_workers,
                                    num_experts=self.placement.num_experts)
-        self.experts = RemoteExperts(
-            self.placement, config.top_k, engine_config.capacity, self._start_step, self._finish_step, self.telemetry
-        )
         tokenizer = Tokenizer(model_dir) if os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
+        self.experts = RemoteExperts(self.placement, config.top_k, engine_config.capacity, self.telemetry)
         self.engine = LLMEngine.from_pretrained(
             model_dir, engine_config, experts=self.experts, detokenize=tokenizer.decode if tokenizer else None
         )
-        self._pending: list[Any] = []
+        self.device = self.engine.device
+        self.experts.device = self.device
+        self.experts.set_placement(self.placement)  # index tables on the engine's device
         self._lock = threading.Lock()  # guards the engine: steps, adds, aborts, scoring
         self._work = threading.Condition(self._lock)
         self._queues: dict[str, queue.Queue] = {}
+        self._score_jobs: list[ScoreJob] = []
         self._stopped = False
         self._thread: threading.Thread | None = None
-        self.supervisor: Any = None  # the controller: rebuilds groups when a peer fails
+        self.supervisor: Any = None  # the controller: rebuilds the group when a peer fails
         self.comm_generation = 0
         self.recoveries = 0
         self.last_failure: dict[str, Any] | None = None
+        self.idle_rounds = 0
 
-    # ---- communicator group ---------------------------------------------------------
+    # ---- the deployment's expert-parallel group ---------------------------------------
     def rendezvous(self) -> Any:
-        """A fresh rendezvous for this router's group; made here because rank 0 runs here."""
+        """A fresh rendezvous for the group; made on router 0 because group rank 0 runs here."""
         host = ray.util.get_node_ip_address()
-        return new_rendezvous(self.backend, host=host, group_name=f"raymoe-{self.router_id}")
+        return new_rendezvous(self.backend, host=host, group_name="raymoe-ep")
 
     def join(self, rendezvous: Any, generation: int = 0, participants: list[int] | None = None) -> None:
-        """Join a group as rank 0 with ``participants`` (worker indices, rank order; default all)."""
-        device = torch.device("cuda", 0) if self.backend is CommBackend.NCCL else None
-        members = list(range(len(self.workers))) if participants is None else list(participants)
-        self.experts.comm = make_communicator(
-            self.backend, rendezvous, rank=0, world_size=1 + len(members), timeout_s=self.timeout_s, device=device
-        )
-        self.experts.participants = members
-        self.comm_generation = generation
+        """Join the group as rank ``router_index``, with ``participants`` (worker indices, in rank
+        order after the routers; default all). Blocks until every rank joined (warm-up barrier)."""
+        members = tuple(range(len(self.workers))) if participants is None else tuple(participants)
+        layout = GroupLayout(self.num_routers, members)
+        comm = make_communicator(self.backend, rendezvous, rank=self.router_index, world_size=layout.world_size,
+                                 timeout_s=self.timeout_s, device=self.device if self.device.type == "cuda" else None)
+        with self._work:
+            self.experts.exchange = RouterExchange(
+                comm, layout, self.router_index, self.placement.num_workers, self.placement.slots_per_worker,
+                self.config.top_k,
+                self.config.hidden_size, self.engine.dtype, self.device)
+            self.comm_generation = generation
+            self.idle_rounds = 0
+            self._work.notify_all()
         if self._thread is None:
             self._thread = threading.Thread(target=self._step_loop, name=f"{self.router_id}-steps", daemon=True)
             self._thread.start()
 
     def abort_comm(self) -> None:
-        if self.experts.comm is not None:
-            self.experts.comm.abort()
-            self.experts.comm = None
+        exchange, self.experts.exchange = self.experts.exchange, None
+        if exchange is not None:
+            exchange.comm.abort()
 
     def set_supervisor(self, supervisor: Any) -> None:
         self.supervisor = supervisor
 
-    def _start_step(self, epoch: int) -> None:
-        members = self.experts.participants
-        members = range(len(self.workers)) if members is None else members
-        self._pending = [self.workers[w].serve_step.remote(self.router_id, epoch) for w in members]
-
-    def _finish_step(self) -> list[dict[str, Any]]:
-        pending, self._pending = self._pending, []
-        return ray.get(pending, timeout=self.timeout_s + STEP_WAIT_SLACK_S)
-
     # ---- the step loop ----------------------------------------------------------------
+    def _has_work(self) -> bool:
+        return bool(self._score_jobs) or self.engine.has_unfinished()
+
     def _step_loop(self) -> None:
+        """One group step per turn, in lockstep with every other router of the deployment.
+
+        Routers first agree whether anyone has work (one flag each, routers only). If nobody
+        has, each waits a little (longer the longer it stays idle, at once when work arrives),
+        and every ``TICK_ROUNDS`` idle rounds they tell the workers so (an idle tick), which
+        keeps the workers' deadline for the next step from expiring in a quiet deployment.
+        """
         while True:
-            failure = None
             with self._work:
-                while not self._stopped and not self.engine.has_unfinished():
-                    self._work.wait(IDLE_WAIT_S)
                 if self._stopped:
                     return
-                step_started = time.monotonic()
-                try:
-                    outputs = self.engine.step()
-                except RECOVERABLE as error:  # a peer died or froze: recover outside the lock
-                    failure, outputs = error, []
-                    self.last_failure = {"error": f"{type(error).__name__}: {error}",
-                                         "after_s": time.monotonic() - step_started, "time": time.time()}
-                except Exception as error:  # anything else: every request in flight hears why
-                    self._fail_all(f"{type(error).__name__}: {error}")
+                exchange = self.experts.exchange
+                has_work = self._has_work()
+                if exchange is None or (not has_work and self.num_routers == 1):
+                    self._work.wait(NOT_JOINED_WAIT_S if exchange is None else TICK_S)
+                    if self._stopped:
+                        return
+                    exchange, has_work = self.experts.exchange, self._has_work()
+                    if exchange is None:
+                        continue
+                elif not has_work:
+                    self._work.wait(min(IDLE_MIN_S * 2 ** min(self.idle_rounds, 8), IDLE_MAX_S))
+                    has_work = self._has_work()
+            step_started = time.monotonic()
+            failure, outputs = None, []
+            try:
+                if not exchange.agree_to_step(has_work):
+                    self.idle_rounds += 1
+                    if self.num_routers == 1 or self.idle_rounds % TICK_ROUNDS == 0:
+                        exchange.idle_tick()
                     continue
+                self.idle_rounds = 0
+                with self._work:
+                    outputs = self._group_step(has_work)
+            except RECOVERABLE as error:  # a peer died or froze: recover outside the lock
+                failure = error
+                self.last_failure = {"error": f"{type(error).__name__}: {error}",
+                                     "after_s": time.monotonic() - step_started, "time": time.time()}
+            except Exception as error:  # anything else: every request in flight hears why
+                with self._work:
+                    self._fail_all(f"{type(error).__name__}: {error}")
+                continue
             if failure is not None:
                 self._recover(failure)
             for output in outputs:
                 self._deliver(output)
 
+    def _group_step(self, has_work: bool) -> list[RequestOutput]:
+        """This router's share of one group step (engine lock held): a scoring job, an engine
+        step, or nothing; then zero rows for the MoE layers it did not reach."""
+        self.experts.begin_step()
+        outputs: list[RequestOutput] = []
+        error: Exception | None = None
+        job = self._score_jobs.pop(0) if self._score_jobs else None
+        try:
+            if job is not None:
+                job.result = self.engine.score(job.prompts)
+            elif has_work:
+                outputs = self.engine.step()
+        except RECOVERABLE:
+            if job is not None:
+                self._score_jobs.insert(0, job)  # run again after recovery
+            raise
+        except Exception as caught:  # fails the requests, but the group must still see this step
+            error = caught
+            if job is not None:
+                job.error = caught
+        self.experts.complete_step()
+        if job is not None:
+            job.done.set()
+        if error is not None and job is None:
+            raise error
+        return outputs
+
     def _recover(self, failure: BaseException) -> None:
         """The failed step's sequences keep their state; once the supervisor has rebuilt the
-        groups (restarting dead workers), the loop simply runs the step again."""
-        self._pending = []
+        group (restarting dead workers), the loop simply runs the step again."""
+        self.abort_comm()
         try:
             if self.supervisor is None:
                 raise RuntimeError("no supervisor to recover with")
@@ -239,8 +316,16 @@ class Router:
         self._queues.pop(request_id, None)
 
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
-        with self._lock:
-            return self.engine.score(prompts)
+        """Logits at every prompt position, computed as one of the group's steps."""
+        job = ScoreJob(prompts)
+        with self._work:
+            self._score_jobs.append(job)
+            self._work.notify()
+        if not job.done.wait(RECOVERY_TIMEOUT_S):
+            raise TimeoutError(f"scoring did not finish within {RECOVERY_TIMEOUT_S:.0f} s")
+        if job.error is not None:
+            raise job.error
+        return job.result
 
     def num_unfinished(self) -> int:
         return len(self._queues)
@@ -272,5 +357,6 @@ class Router:
             self._work.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        if self.experts.comm is not None:
-            self.experts.comm.close()
+        exchange, self.experts.exchange = self.experts.exchange, None
+        if exchange is not None:
+            exchange.comm.close()

@@ -6,13 +6,16 @@
    over nodes by ``placement.node_strategy``.
 3. Build the one :class:`PlacementTable` from the config and the bundles' nodes.
 4. Start the workers (each loads only its own experts) and the routers.
-5. Each router makes a rendezvous; it and every worker join that router's group.
+5. Once every actor has loaded its weights, routers and workers join the deployment's one
+   expert-parallel group (router 0 makes the rendezvous).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +23,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raymoe.actors.controller import Controller, join_router_groups
+from raymoe.actors.controller import Controller, join_ep_group
 from raymoe.actors.expert_worker import ExpertWorker
 from raymoe.actors.router import Router, StepFailure
 from raymoe.cluster.config import ClusterConfig
@@ -123,8 +126,24 @@ class Deployment:
         remove_placement_group(self.group)
 
 
+def _wait_loaded(workers: list[Any], routers: list[Any], timeout_s: float) -> None:
+    """Wait until every actor is constructed (experts and dense weights loaded), saying how far along."""
+    pending = {actor.info.remote(): name
+               for actor, name in [*[(w, f"worker {i}") for i, w in enumerate(workers)],
+                                   *[(r, f"router {i}") for i, r in enumerate(routers)]]}
+    total, deadline = len(pending), time.monotonic() + timeout_s
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            raise RuntimeError(f"{', '.join(pending.values())} did not finish loading within {timeout_s:.0f} s "
+                               "(raise the load timeout for a large checkpoint, or check the actors' logs)")
+        ray.get(done)  # raises the actor's own error if loading failed
+        name = pending.pop(done[0])
+        print(f"raymoe: {name} loaded ({total - len(pending)}/{total})", file=sys.stderr, flush=True)
+
+
 def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float = 120.0,
-           namespace: str = NAMESPACE) -> Deployment:
+           namespace: str = NAMESPACE, load_timeout_s: float = 3600.0) -> Deployment:
     """Start the actors a config describes on the connected Ray cluster.
 
     Actors are named ``{name}-worker-{w}``, ``{name}-router-{r}`` and ``{name}-controller`` in
@@ -137,6 +156,9 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     backend = CommBackend(config.comm.backend.value)
     if backend is CommBackend.NCCL and not gpus:
         raise ValueError("comm.backend: nccl needs device cuda (GPUs); use gloo or auto on CPU-only machines")
+    if backend is CommBackend.GLOO and gpus:
+        raise ValueError("comm.backend: gloo moves CPU tensors only, but this deployment runs on GPUs "
+                         "(device resolved to cuda); set comm.backend: nccl (or auto), or device: cpu")
     backend = CommBackend.NCCL if backend is CommBackend.AUTO and gpus else (
         CommBackend.GLOO if backend is CommBackend.AUTO else backend)
     # Step 2: one bundle per expert worker, spread over nodes as asked.
@@ -186,13 +208,15 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
             max_concurrency=config.engine.max_num_seqs + ACTOR_CONCURRENCY_SLACK, max_restarts=-1,
             name=f"{name}-router-{r}", namespace=namespace,
         ).remote(f"router-{r}", config.model, engine_config(config), placement.to_dict(), workers,
-                 backend.value, config.comm.timeout_s)
+                 backend.value, config.comm.timeout_s, r, config.routers)
         for r in range(config.routers)
     ]
-    # Step 5: one communicator group per router: the router is rank 0, worker w is 1 + w.
+    # Step 5: every worker has loaded its experts (that can take long: no group deadline
+    # covers it), then the one expert-parallel group: routers are ranks 0..R-1, workers follow.
+    _wait_loaded(workers, routers, load_timeout_s)
     router_ids = [f"router-{r}" for r in range(config.routers)]
-    join_router_groups(routers, router_ids, workers, list(range(config.expert_workers)), backend.value,
-                       config.comm.timeout_s, generation=0)
+    join_ep_group(routers, workers, list(range(config.expert_workers)), backend.value, config.comm.timeout_s,
+                  generation=0)
     # Step 6: the controller (it only reads telemetry and moves weights; it holds none).
     policy = RebalancePolicy(balancer.threshold, balancer.min_gain, balancer.algorithm, balancer.max_copies_per_rebalance)
     groups = {"router_ids": router_ids, "backend": backend.value, "timeout_s": config.comm.timeout_s}

@@ -85,6 +85,7 @@ class LLMEngine:
         self.model = model
         self.engine_config = engine_config
         self.device = torch.device(engine_config.device)
+        self.dtype = dtype
         self.detokenize = detokenize
         self.max_model_len = min(engine_config.max_model_len or config.max_position_embeddings,
                                  config.max_position_embeddings)

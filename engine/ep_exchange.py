@@ -1,99 +1,207 @@
 """The expert-parallel exchange of one MoE layer, both sides in one place.
 
-Legend: T tokens, k experts per token, D hidden, W workers, N_w rows for worker w,
-S slots per worker. Group layout: rank 0 is the router, rank ``1 + w`` is worker ``w``.
+Legend: T tokens, k experts per token, D hidden, R routers, W workers in the group, N rows.
 
-Per MoE layer, router and workers make the same four collectives in the same order with the
-same tags (otherwise they would hang; every collective has a deadline that turns a hang into
-a ``CollectiveTimeout`` naming the peer and the layer):
+One group per deployment: ranks ``0 .. R-1`` are the routers, rank ``R + i`` is worker
+``participants[i]``. Routers step together (a router with nothing to run sends zero rows), so
+every rank issues the same messages in the same order and each worker runs one grouped GEMM
+over every router's rows. Per MoE layer, two exchanges:
 
-1. counts:   router -> workers, rows per worker (workers send zeros);
-2. dispatch: router -> workers, one row per (token, destination worker): DeepEP's dedup;
-3. meta:     router -> workers, per row its k (local slot, weight) pairs, slot -1 = none;
-4. combine:  workers -> router, per row the weighted sum of its experts' outputs.
+1. dispatch, router -> worker: a header (rows, tag checksum, placement epoch, kind, then the
+   assignments for each of the worker's S local slots), then, if rows > 0, the rows, each packed as ``D`` activations + k int32 local slots + k
+   float32 gate weights (slot -1: that position runs nowhere on this worker);
+2. combine, worker -> router: the rows' weighted sums, then a trailer (expert seconds, tag
+   checksum). The router knows the row count, so it posts these receives together with its
+   dispatch sends: one round trip per layer on the router.
 
-The router then adds the partial sums back per token. Nothing here imports Ray.
+The worker reads the header first (its one host sync per layer on a GPU: the slot counts in
+it size the grouped GEMM), then the rows. The router's one host sync per layer is its plan's
+counts; it reads the trailers once per step.
+A header of kind IDLE in the first layer's place says "no step": routers send it now and
+then while nobody has work, so a worker waiting for a step never waits past its deadline
+for a live group. Every wait has a deadline that names the layer and, where the backend can
+tell, the rank. Nothing here imports Ray.
 """
 
 from __future__ import annotations
 
+import struct
 import time
 from dataclasses import dataclass
 
 import torch
 
-from raymoe.engine.experts import run_worker_slots, scatter_rows_add
-from raymoe.kernels.comm.base import Communicator
-from raymoe.moe.plan import DispatchPlan
+from raymoe.engine.experts import combine_partials, run_rows
+from raymoe.kernels.comm.errors import CollectiveMismatch, CommError
+from raymoe.kernels.comm.layout import tag_checksum
+from raymoe.kernels.comm.p2p import PointToPointCommunicator
+from raymoe.moe.exchange_plan import ExchangePlan
 
-ROUTER_RANK = 0
+HEADER_FIELDS = 4  # rows, tag checksum, epoch, kind; then the assignments of each local slot
+KIND_STEP = 1
+KIND_IDLE = 2
+TRAILER_BYTES = 16  # float64 expert seconds, int64 tag checksum
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Who is which rank in the deployment's one expert-parallel group."""
+
+    num_routers: int
+    participants: tuple[int, ...]  # worker indices in the group, in rank order
+
+    @property
+    def world_size(self) -> int:
+        return self.num_routers + len(self.participants)
+
+    def worker_rank(self, position: int) -> int:
+        return self.num_routers + position
+
+    @property
+    def worker_ranks(self) -> list[int]:
+        return [self.num_routers + i for i in range(len(self.participants))]
+
+    @property
+    def router_ranks(self) -> list[int]:
+        return list(range(self.num_routers))
+
+
+def row_bytes(hidden_size: int, top_k: int, dtype: torch.dtype) -> int:
+    """Bytes of one dispatched row: activations, k int32 slots, k float32 weights."""
+    return hidden_size * torch.empty(0, dtype=dtype).element_size() + 8 * top_k
+
+
+def layer_tag(layer: int, what: str) -> str:
+    return f"layer {layer} {what}"
+
+
+def _header(rows: int, tag: str, epoch: int, kind: int, slot_counts: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([rows, tag_checksum(tag), epoch, kind, *slot_counts], dtype=torch.int64).to(device)
 
 
 @dataclass(frozen=True)
 class LayerTraffic:
-    """What one layer's exchange moved, as the router saw it."""
+    """What one layer's exchange moved and cost, as the router saw it."""
 
-    rows_per_worker: list[int]
-    payload_bytes: int  # dispatch rows (each combine moves the same again)
-    meta_bytes: int
-    dispatch_s: float
-    combine_s: float
-
-
-def build_meta(plan: DispatchPlan, top_k: int) -> torch.Tensor:
-    """``[N, 2k]`` float32 per sent row: k local slots (-1 padded), then k weights."""
-    num_rows = plan.send_token.numel()
-    meta = torch.zeros(num_rows, 2 * top_k, dtype=torch.float32)
-    meta[:, :top_k] = -1.0
-    if plan.assign_row.numel():
-        # Position of each assignment among its row's (a row holds <= k assignments).
-        order = torch.argsort(plan.assign_row, stable=True)
-        rows_sorted = plan.assign_row[order]
-        first = torch.searchsorted(rows_sorted, rows_sorted)
-        position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()) - first)
-        local_slot = torch.remainder(plan.assign_slot, plan.slots_per_worker).float()
-        meta[plan.assign_row, position] = local_slot
-        meta[plan.assign_row, top_k + position] = plan.assign_weight
-    return meta
+    rows_per_worker: list[int]  # [W] over every worker of the placement
+    bytes_sent: int  # dispatch headers + rows, as sent
+    bytes_received: int  # combine rows + trailers, as received
+    dispatch_s: float  # planning the rows and packing them
+    exchange_s: float  # sends, receives and the workers' compute, until the last sum arrived
 
 
-def router_exchange(
-    comm: Communicator, plan: DispatchPlan, hidden: torch.Tensor, top_k: int, layer: int,
-    participants: list[int] | None = None,
-) -> tuple[torch.Tensor, LayerTraffic]:
-    """The router's side: send rows and meta, receive partial sums; returns ``[T, D]``.
+class RouterExchange:
+    """A router's side of every layer of every step, over the deployment's one group."""
 
-    ``participants``: the workers in the group, worker ``participants[i]`` at rank ``1 + i``
-    (all workers when None). A worker outside the group must have no rows in ``plan``.
-    """
-    world = comm.world_size
-    started = time.perf_counter()
-    if participants is None:
-        participants = list(range(plan.num_workers))
-    outside = [w for w in range(plan.num_workers) if w not in participants and int(plan.send_counts[w])]
-    if outside:
-        raise ValueError(f"layer {layer}: the plan sends rows to workers {outside}, which are not in the group")
-    send_counts = torch.cat([torch.zeros(1, dtype=torch.int64), plan.send_counts[participants]])  # [1 + |group|]
-    comm.exchange_counts(send_counts, tag=f"layer {layer} counts")
-    zeros = [0] * world
-    counts = send_counts.tolist()
-    rows = hidden.index_select(0, plan.send_token.to(hidden.device))  # [N, D]
-    comm.exchange_payload(rows, counts, zeros, tag=f"layer {layer} dispatch")
-    meta = build_meta(plan, top_k).to(hidden.device)
-    comm.exchange_payload(meta, counts, zeros, tag=f"layer {layer} meta")
-    dispatched = time.perf_counter()
-    partial = comm.exchange_payload(hidden.new_empty(0, hidden.shape[1]), zeros, counts,
-                                    tag=f"layer {layer} combine")  # [N, D]
-    out = scatter_rows_add(hidden.shape[0], plan.send_token.to(hidden.device), partial)
-    finished = time.perf_counter()
-    traffic = LayerTraffic(
-        rows_per_worker=plan.send_counts.tolist(),
-        payload_bytes=rows.numel() * rows.element_size(),
-        meta_bytes=meta.numel() * meta.element_size(),
-        dispatch_s=dispatched - started,
-        combine_s=finished - dispatched,
-    )
-    return out, traffic
+    def __init__(self, comm: PointToPointCommunicator, layout: GroupLayout, router_index: int,
+                 num_workers: int, slots_per_worker: int, top_k: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.comm = comm
+        self.slots_per_worker = slots_per_worker
+        self._trailers: list[tuple[int, int, torch.Tensor]] = []  # (layer, rank, 16 bytes), read once a step
+        self.layout = layout
+        self.router_index = router_index
+        self.num_workers = num_workers  # workers of the placement (the group may hold fewer)
+        self.top_k = top_k
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.device = device
+        self.row_bytes = row_bytes(hidden_size, top_k, dtype)
+        self.combine_row_bytes = hidden_size * torch.empty(0, dtype=dtype).element_size()
+        self._rank_of_worker = {w: layout.worker_rank(i) for i, w in enumerate(layout.participants)}
+
+    def exchange(self, layer: int, plan: ExchangePlan | None, hidden: torch.Tensor | None,
+                 epoch: int) -> tuple[torch.Tensor | None, LayerTraffic]:
+        """Dispatch ``plan``'s rows of ``hidden`` and combine their sums: ``[T, D]`` routed output.
+
+        ``plan`` None: this router has nothing this step (zero rows to every worker).
+        """
+        started = time.perf_counter()
+        tag = layer_tag(layer, "dispatch")
+        counts = plan.send_counts if plan is not None else [0] * self.num_workers
+        outside = [w for w, n in enumerate(counts) if n and w not in self._rank_of_worker]
+        if outside:
+            raise CommError(f"layer {layer}: the plan sends rows to workers {outside}, which are not in the group")
+        packed = None
+        if plan is not None and plan.num_rows:
+            rows = hidden.index_select(0, plan.row_token)  # [N, D]
+            packed = torch.cat([rows.view(torch.uint8), plan.row_slots.view(torch.uint8),
+                                plan.row_weights.view(torch.uint8)], dim=1)  # [N, row_bytes]
+        sends, recvs, combines = [], [], []
+        start = 0
+        S = self.slots_per_worker
+        for worker, rank in self._rank_of_worker.items():
+            count = counts[worker]
+            slot_counts = plan.slot_counts[worker * S:(worker + 1) * S] if plan is not None else [0] * S
+            sends.append((rank, _header(count, tag, epoch, KIND_STEP, slot_counts, self.device)))
+            if count:
+                sends.append((rank, packed[start:start + count]))
+            buffer = torch.empty(count * self.combine_row_bytes + TRAILER_BYTES, dtype=torch.uint8,
+                                 device=self.device)
+            recvs.append((rank, buffer))
+            combines.append((worker, start, count, buffer))
+            start += count
+        packed_at = time.perf_counter()
+        self.comm.transfer(sends, recvs, tag=tag)
+        exchanged_at = time.perf_counter()
+        partials = []
+        for worker, _, count, buffer in combines:
+            self._trailers.append((layer, self._rank_of_worker[worker], buffer[count * self.combine_row_bytes:]))
+            if count:
+                partials.append(buffer[:count * self.combine_row_bytes].view(self.dtype).view(count, -1))
+        out = None
+        if plan is not None:
+            if partials:
+                partial = partials[0] if len(partials) == 1 else torch.cat(partials)
+                out = combine_partials(plan.num_tokens, plan.row_token, partial,
+                                       min(self.top_k, len(self._rank_of_worker)))
+            else:
+                out = hidden.new_zeros(plan.num_tokens, self.hidden_size)
+        traffic = LayerTraffic(
+            rows_per_worker=list(counts),
+            bytes_sent=sum(t.numel() * t.element_size() for _, t in sends),
+            bytes_received=sum(t.numel() for _, t in recvs),
+            dispatch_s=packed_at - started,
+            exchange_s=exchanged_at - packed_at,
+        )
+        return out, traffic
+
+    def read_trailers(self) -> float:
+        """The step's expert seconds (sum over layers of the slowest worker), checking every
+        combine's tag; one host read for the whole step."""
+        trailers, self._trailers = self._trailers, []
+        if not trailers:
+            return 0.0
+        raw = torch.stack([t for _, _, t in trailers]).view(torch.int64).tolist()  # [n, 2], one host read
+        per_layer: dict[int, float] = {}
+        for (layer, rank, _), (second_bits, checksum) in zip(trailers, raw):
+            second = struct.unpack("<d", struct.pack("<q", second_bits))[0]
+            if checksum != tag_checksum(layer_tag(layer, "combine")):
+                raise CollectiveMismatch(tag=layer_tag(layer, "combine"), peer=rank, world_size=self.layout.world_size)
+            per_layer[layer] = max(per_layer.get(layer, 0.0), second)
+        return sum(per_layer.values())
+
+    def idle_tick(self) -> None:
+        """Tell every worker that no step comes now (in the first layer's place)."""
+        tag = layer_tag(0, "dispatch")
+        self.comm.transfer([(rank, _header(0, tag, 0, KIND_IDLE, [0] * self.slots_per_worker, self.device))
+                            for rank in self._rank_of_worker.values()], [], tag=tag)
+
+    def agree_to_step(self, active: bool, timeout_s: float | None = None) -> bool:
+        """Routers only: does any router have work this step? (one flag to and from each router)."""
+        if self.layout.num_routers == 1:
+            return active
+        tag = "step begin"
+        mine = torch.tensor([int(active), tag_checksum(tag)], dtype=torch.int64).to(self.device)
+        others = [rank for rank in self.layout.router_ranks if rank != self.router_index]
+        received = [torch.empty(2, dtype=torch.int64, device=self.device) for _ in others]
+        self.comm.transfer([(rank, mine) for rank in others], list(zip(others, received)), tag=tag,
+                           timeout_s=timeout_s)
+        flags = torch.stack(received).cpu() if received else torch.zeros(0, 2, dtype=torch.int64)
+        for rank, (_, checksum) in zip(others, flags.tolist()):
+            if checksum != tag_checksum(tag):
+                raise CollectiveMismatch(tag=tag, peer=rank, world_size=self.layout.world_size)
+        return active or bool(flags[:, 0].any())
 
 
 @dataclass(frozen=True)
@@ -103,29 +211,90 @@ class WorkerLayerResult:
     compute_s: float
 
 
-def worker_exchange(
-    comm: Communicator, w13: torch.Tensor, w2: torch.Tensor, slot_rows: list[int], hidden_size: int, top_k: int,
-    dtype: torch.dtype, device: torch.device, layer: int,
-) -> WorkerLayerResult:
-    """A worker's side of one layer: receive rows and meta, run its slots, send sums back."""
-    world = comm.world_size
-    zeros = [0] * world
-    recv_counts = comm.exchange_counts(torch.zeros(world, dtype=torch.int64), tag=f"layer {layer} counts").tolist()
-    rows = comm.exchange_payload(torch.empty(0, hidden_size, dtype=dtype, device=device), zeros, recv_counts,
-                                 tag=f"layer {layer} dispatch")  # [N, D]
-    meta = comm.exchange_payload(torch.empty(0, 2 * top_k, dtype=torch.float32, device=device), zeros,
-                                 recv_counts, tag=f"layer {layer} meta")  # [N, 2k]
-    started = time.perf_counter()
-    slots = meta[:, :top_k].long()  # [N, k]
-    valid = slots >= 0
-    row_index = torch.arange(rows.shape[0], device=device).unsqueeze(1).expand_as(slots)[valid]
-    local_slot = slots[valid]
-    weight = meta[:, top_k:][valid]
-    order = torch.argsort(local_slot, stable=True)
-    slot_counts = torch.bincount(local_slot, minlength=len(slot_rows)).cpu()
-    partial = run_worker_slots(rows, row_index[order], weight[order], slot_counts, w13, w2, slot_rows)
-    compute_s = time.perf_counter() - started
-    send_counts = [0] * world
-    send_counts[ROUTER_RANK] = rows.shape[0]
-    comm.exchange_payload(partial, send_counts, zeros, tag=f"layer {layer} combine")
-    return WorkerLayerResult(rows=rows.shape[0], assignments=int(valid.sum()), compute_s=compute_s)
+class WorkerExchange:
+    """A worker's side: receive every router's rows, run the experts once, send the sums back."""
+
+    def __init__(self, comm: PointToPointCommunicator, layout: GroupLayout, slots_per_worker: int, hidden_size: int,
+                 top_k: int, dtype: torch.dtype, device: torch.device):
+        self.comm = comm
+        self.slots_per_worker = slots_per_worker
+        self.layout = layout
+        self.hidden_size = hidden_size
+        self.top_k = top_k
+        self.dtype = dtype
+        self.device = device
+        self.row_bytes = row_bytes(hidden_size, top_k, dtype)
+        self.activation_bytes = hidden_size * torch.empty(0, dtype=dtype).element_size()
+
+    def receive_headers(self, layer: int, timeout_s: float | None = None) -> list[list[int]] | None:
+        """One header per router (host ints), or None for an idle tick (no step now)."""
+        tag = layer_tag(layer, "dispatch")
+        width = HEADER_FIELDS + self.slots_per_worker
+        received = torch.empty(self.layout.num_routers, width, dtype=torch.int64, device=self.device)
+        self.comm.transfer([], [(rank, received[rank]) for rank in self.layout.router_ranks], tag=tag,
+                           timeout_s=timeout_s)
+        headers = received.tolist()  # the worker's one host sync per layer: sizes
+        expected = tag_checksum(tag)
+        kinds = set()
+        for rank, (_, checksum, _, kind, *_) in enumerate(headers):
+            if checksum != expected:
+                raise CollectiveMismatch(tag=tag, peer=rank, world_size=self.layout.world_size)
+            kinds.add(kind)
+        if kinds == {KIND_IDLE} and layer == 0:
+            return None
+        if kinds != {KIND_STEP}:
+            raise CommError(f"collective {tag!r}: routers disagree on whether this is a step (kinds {sorted(kinds)})")
+        return headers
+
+    def serve_layer(self, layer: int, headers: list[list[int]], w13: torch.Tensor, w2: torch.Tensor,
+                    pool_rows: dict[int, tuple[list[int], torch.Tensor]]) -> WorkerLayerResult:
+        """Rows from every router in one batch. ``pool_rows[epoch]``: the pool row of each local
+        slot, as host ints and as a device tensor."""
+        tag = layer_tag(layer, "dispatch")
+        counts = [header[0] for header in headers]
+        epochs = [header[2] for header in headers]
+        total = sum(counts)
+        pool_counts = [0] * w13.shape[0]
+        for header, epoch in zip(headers, epochs):
+            if header[0]:
+                if epoch not in pool_rows:
+                    raise RuntimeError(f"layer {layer}: a router uses placement epoch {epoch}, which this worker "
+                                       f"does not serve (it serves {sorted(pool_rows)})")
+                for slot, assigned in enumerate(header[HEADER_FIELDS:]):
+                    pool_counts[pool_rows[epoch][0][slot]] += assigned
+        payload = torch.empty(total, self.row_bytes, dtype=torch.uint8, device=self.device)
+        recvs, start = [], 0
+        for rank, count in enumerate(counts):
+            if count:
+                recvs.append((rank, payload[start:start + count]))
+            start += count
+        self.comm.transfer([], recvs, tag=tag)
+        started = time.perf_counter()
+        k = self.top_k
+        rows = payload[:, :self.activation_bytes].view(self.dtype)  # [N, D]
+        slots = payload[:, self.activation_bytes:self.activation_bytes + 4 * k].view(torch.int32)  # [N, k]
+        weights = payload[:, self.activation_bytes + 4 * k:].view(torch.float32)  # [N, k]
+        pools, start = [], 0
+        for count, epoch in zip(counts, epochs):
+            if count:
+                segment = slots[start:start + count].long()
+                pools.append(torch.where(segment >= 0, pool_rows[epoch][1][segment.clamp(min=0)], -1))
+            start += count
+        if total:
+            row_pool = pools[0] if len(pools) == 1 else torch.cat(pools)
+            partial, assignments = run_rows(rows, row_pool, weights, w13, w2, pool_counts)
+        else:
+            partial, assignments = torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), 0
+        compute_s = time.perf_counter() - started
+        trailer = torch.empty(TRAILER_BYTES, dtype=torch.uint8)
+        trailer[:8].view(torch.float64)[0] = compute_s
+        trailer[8:].view(torch.int64)[0] = tag_checksum(layer_tag(layer, "combine"))
+        trailer = trailer.to(self.device)
+        sends, start = [], 0
+        partial_bytes = partial.contiguous().view(torch.uint8) if total else None
+        for rank, count in enumerate(counts):
+            body = partial_bytes[start:start + count].reshape(-1) if count else trailer[:0]
+            sends.append((rank, torch.cat([body, trailer])))
+            start += count
+        self.comm.transfer(sends, [], tag=layer_tag(layer, "combine"))
+        return WorkerLayerResult(rows=total, assignments=assignments, compute_s=compute_s)

@@ -63,6 +63,54 @@ def scatter_rows_add(num_rows: int, index: torch.Tensor, values: torch.Tensor) -
     return out.scatter_add_(0, index.unsqueeze(1).expand(-1, values.shape[1]), values)
 
 
+def combine_partials(num_tokens: int, row_token: torch.Tensor, partial: torch.Tensor,
+                     max_rows_per_token: int) -> torch.Tensor:
+    """Add each row of ``partial`` (``[N, D]``) into its token (``row_token: [N]``): ``[T, D]``.
+
+    Deterministic on every device: a token's rows are summed in float32 in a fixed order (the
+    order they appear in, i.e. by worker), never with atomics (``index_add_``/``scatter_add_``
+    on CUDA add in whatever order threads arrive, with one rounding per add in bf16).
+    ``max_rows_per_token`` bounds a token's rows (``min(k, W)``).
+    """
+    num_rows, width = partial.shape
+    if num_rows == num_tokens and max_rows_per_token == 1:  # every token has its one row, in order
+        return partial
+    order = torch.argsort(row_token, stable=True)  # a token's rows stay in arrival order
+    sorted_token = row_token.index_select(0, order)
+    position = torch.arange(num_rows, device=row_token.device) - torch.searchsorted(sorted_token, sorted_token)
+    accumulate = torch.promote_types(partial.dtype, torch.float32)
+    slots = torch.zeros(num_tokens * max_rows_per_token, width, dtype=accumulate, device=partial.device)
+    slots.index_copy_(0, sorted_token * max_rows_per_token + position, partial.index_select(0, order).to(accumulate))
+    return slots.view(num_tokens, max_rows_per_token, width).sum(dim=1).to(partial.dtype)
+
+
+def run_rows(rows: torch.Tensor, row_pool: torch.Tensor, row_weights: torch.Tensor, w13: torch.Tensor,
+             w2: torch.Tensor, pool_counts: list[int]) -> tuple[torch.Tensor, int]:
+    """A worker's experts over the rows it received; returns ``([N, D]`` partial sums, assignments).
+
+    Args:
+        rows: ``[N, D]``; row_pool: ``[N, k]`` weight-pool row of the expert to run at each of
+            the row's k positions (-1: none); row_weights: ``[N, k]`` float32 gate weights.
+        w13, w2: the worker's weight pool, ``[P, 2I, D]`` and ``[P, D, I]``.
+        pool_counts: ``[P]`` host ints, assignments per pool row (the routers sent them in
+            their headers, so the GEMM sizes need no host sync here).
+    One grouped SwiGLU over every row of every router, then each row's weighted outputs summed
+    in float32 in position order (deterministic).
+    """
+    num_rows, top_k = row_pool.shape
+    pool_size = w13.shape[0]
+    assignments = sum(pool_counts)
+    key = torch.where(row_pool >= 0, row_pool, pool_size).reshape(-1)  # [N*k], unused positions last
+    chosen = torch.argsort(key, stable=True)[:assignments]  # flat (row, position), sorted by pool row
+    expert_in = rows.index_select(0, torch.div(chosen, top_k, rounding_mode="floor"))
+    expert_out = grouped_swiglu(expert_in, pool_counts, w13, w2)  # [A, D]
+    accumulate = torch.promote_types(rows.dtype, torch.float32)
+    weighted = expert_out.to(accumulate) * row_weights.reshape(-1).index_select(0, chosen).unsqueeze(1)
+    slots = torch.zeros(num_rows * top_k, rows.shape[1], dtype=accumulate, device=rows.device)
+    slots.index_copy_(0, chosen, weighted)
+    return slots.view(num_rows, top_k, rows.shape[1]).sum(dim=1).to(rows.dtype), assignments
+
+
 def plan_layer(
     placement: PlacementTable,
     moe_layer: int,

@@ -1,53 +1,45 @@
-"""The expert backend of a router: plan locally, run experts on expert workers.
+"""The expert backend of a router: plan on the activations' device, run experts on workers.
 
-Same interface as :class:`~raymoe.engine.experts.LocalExperts`; the engine cannot tell them
-apart. A step's first MoE layer calls ``start_step`` (the router actor uses it to ask every
-worker to serve one step) and its last layer calls ``finish_step`` (wait for the workers and
-collect their per-layer results), so workers and router walk the layers in lockstep.
+Same ``forward`` as :class:`~raymoe.engine.experts.LocalExperts`; the engine cannot tell them
+apart. Because every router of a deployment steps together over one group, a step is framed:
+the router calls :meth:`begin_step`, runs its engine step (or nothing, when it has no work),
+then :meth:`complete_step`, which exchanges zero rows for every MoE layer the step did not
+reach, so that every rank issues the same messages whatever happened on this router.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
 
 import torch
 
-from raymoe.engine.ep_exchange import router_exchange
-from raymoe.engine.experts import plan_layer
+from raymoe.engine.ep_exchange import RouterExchange
 from raymoe.engine.telemetry import Telemetry
-from raymoe.kernels.comm.base import Communicator
 from raymoe.kernels.comm.errors import CommError
-from raymoe.moe.capacity import CapacityConfig
+from raymoe.moe.capacity import CapacityConfig, OverflowPolicy, keep_mask
+from raymoe.moe.exchange_plan import plan_exchange
 from raymoe.moe.placement import PlacementTable
 
 
 class RemoteExperts:
-    def __init__(
-        self,
-        placement: PlacementTable,
-        top_k: int,
-        capacity: CapacityConfig,
-        start_step: Callable[[int], None],
-        finish_step: Callable[[], list[Any]],
-        telemetry: Telemetry,
-    ):
+    def __init__(self, placement: PlacementTable, top_k: int, capacity: CapacityConfig, telemetry: Telemetry,
+                 device: torch.device = torch.device("cpu")):
         self.placement = placement
         self.top_k = top_k
         self.capacity = capacity
-        self.start_step = start_step
-        self.finish_step = finish_step
         self.telemetry = telemetry
-        self.comm: Communicator | None = None
-        self.participants: list[int] | None = None  # workers in the group, in rank order (None: all)
+        self.device = device
+        self.exchange: RouterExchange | None = None  # set when the router joins the group
         self._tables = self._index_tables(placement)
+        self._cursor = 0  # the next MoE layer this step exchanges
+        self._real = False  # whether this step carried any of this router's tokens
         self._step_started = 0.0
         self._moe_seconds = 0.0
 
-    @staticmethod
-    def _index_tables(placement: PlacementTable) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _index_tables(self, placement: PlacementTable) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [
-            (torch.tensor(placement.log2phy[layer]), torch.tensor(placement.logcnt[layer]))
+            (torch.tensor(placement.log2phy[layer], device=self.device),
+             torch.tensor(placement.logcnt[layer], device=self.device))
             for layer in range(placement.num_layers)
         ]
 
@@ -59,31 +51,59 @@ class RemoteExperts:
         self.placement = placement
         self._tables = self._index_tables(placement)
 
+    # ---- step framing -------------------------------------------------------------------
+    def begin_step(self) -> None:
+        if self.exchange is None:  # a CommError, so the router waits for the supervisor's rebuild
+            raise CommError("the router is not joined with its expert workers (no communicator)")
+        self._cursor = 0
+        self._real = False
+        self._step_started = time.perf_counter()
+        self._moe_seconds = 0.0
+        self.telemetry.begin_step()  # forget a step that failed part-way (it is being retried)
+
+    def complete_step(self) -> None:
+        """Exchange zero rows for the layers this step did not reach; record the step."""
+        while self._cursor < self.placement.num_layers:
+            _, traffic = self.exchange.exchange(self._cursor, None, None, self.placement.epoch)
+            self._cursor += 1
+        expert_s = self.exchange.read_trailers()
+        if self._real:
+            total = time.perf_counter() - self._step_started
+            self.telemetry.end_step(total - self._moe_seconds, expert_s, self.placement.epoch)
+
     def forward(
         self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        if self.comm is None:  # a CommError, so the router waits for the supervisor's rebuild
+        if self.exchange is None:
             raise CommError("the router is not joined with its expert workers (no communicator)")
-        if moe_layer == 0:
-            self._step_started = time.perf_counter()
-            self._moe_seconds = 0.0
-            self.telemetry.begin_step()  # forget a step that failed part-way (it is being retried)
-            self.start_step(self.placement.epoch)
+        if moe_layer != self._cursor:
+            raise RuntimeError(f"MoE layer {moe_layer} out of order: this step is at layer {self._cursor} "
+                               "(one forward per step; begin_step() first)")
         started = time.perf_counter()
+        placement = self.placement
         log2phy, logcnt = self._tables[moe_layer]
-        plan = plan_layer(self.placement, moe_layer, topk_ids, topk_weights, self.capacity, log2phy, logcnt)
-        out, traffic = router_exchange(self.comm, plan, hidden, self.top_k, moe_layer, self.participants)
-        dropped = torch.zeros(self.placement.num_workers, dtype=torch.int64)
-        if plan.num_dropped:
-            home_worker = log2phy[topk_ids.cpu()[plan.slot < 0], 0] // self.placement.slots_per_worker
-            dropped = torch.bincount(home_worker, minlength=self.placement.num_workers)
-        kept = topk_ids.cpu()[plan.slot >= 0]
-        expert_tokens = torch.bincount(kept, minlength=self.placement.num_experts).numpy()
-        self.telemetry.record_layer(moe_layer, plan, traffic, hidden.shape[1] * hidden.element_size(),
-                                    dropped.numpy(), expert_tokens)
+        kept = None if self.capacity.policy is OverflowPolicy.NONE else keep_mask(topk_ids, placement.num_experts, self.capacity)
+        plan = plan_exchange(topk_ids, topk_weights, kept, log2phy, logcnt, placement.slots_per_worker,
+                             placement.num_workers)
+        out, traffic = self.exchange.exchange(moe_layer, plan, hidden, placement.epoch)
+        self._record(moe_layer, topk_ids, plan, kept, log2phy, traffic, hidden)
+        self._cursor += 1
+        self._real = True
         self._moe_seconds += time.perf_counter() - started
-        if moe_layer == self.placement.num_layers - 1:
-            worker_results = self.finish_step()
-            total = time.perf_counter() - self._step_started
-            self.telemetry.end_step(total - self._moe_seconds, worker_results, self.placement.epoch)
         return out
+
+    def _record(self, layer, topk_ids, plan, kept, log2phy, traffic, hidden) -> None:
+        """Per-layer counts as device tensors (no host sync here; Telemetry reads them once a step)."""
+        placement = self.placement
+        valid = plan.slot >= 0
+        num_experts = placement.num_experts
+        expert_tokens = torch.bincount(torch.where(valid, topk_ids, num_experts).reshape(-1),
+                                       minlength=num_experts + 1)
+        dropped = None
+        if kept is not None:
+            home = torch.div(log2phy[topk_ids, 0], placement.slots_per_worker, rounding_mode="floor")
+            dropped = torch.bincount(torch.where(kept, placement.num_workers, home).reshape(-1),
+                                     minlength=placement.num_workers + 1)[:placement.num_workers]
+        row_bytes = hidden.shape[1] * hidden.element_size()
+        self.telemetry.record_layer(layer, plan.slot_counts, expert_tokens[:num_experts], dropped, traffic,
+                                    row_bytes, 8 * self.top_k, hidden.shape[0])

@@ -17,18 +17,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from raymoe.engine.ep_exchange import LayerTraffic
-from raymoe.moe.plan import DispatchPlan
 
 
 @dataclass
 class StepRecord:
     epoch: int = 0
-    dense_s: float = 0.0
-    dispatch_s: float = 0.0
-    expert_s: float = 0.0
-    combine_s: float = 0.0
+    dense_s: float = 0.0  # everything but the MoE layers' exchange: attention, gates, sampling
+    dispatch_s: float = 0.0  # planning and packing rows
+    expert_s: float = 0.0  # the slowest worker's expert compute, summed over layers
+    combine_s: float = 0.0  # moving rows and sums (the exchange minus the expert compute)
     tokens: int = 0
     rows_sent: int = 0
 
@@ -46,6 +46,8 @@ class Telemetry:
     worker_dropped: np.ndarray = field(init=False)  # [W] assignments dropped for experts homed there
     num_experts: int = 0
     meta_bytes: int = 0
+    bytes_sent: int = 0  # every dispatch message as sent (headers, rows, slots, weights)
+    bytes_received: int = 0  # every combine message as received (sums, trailers)
     dropped: int = 0
     num_steps: int = 0
     steps: deque = field(init=False)
@@ -59,41 +61,53 @@ class Telemetry:
         self.worker_dropped = np.zeros(self.num_workers, dtype=np.int64)
         self.steps = deque(maxlen=self.capacity)
         self.expert_loads = deque(maxlen=self.capacity)
-        self._current = StepRecord()
-        self._current_load = np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
+        self.begin_step()
 
-    def record_layer(
-        self, layer: int, plan: DispatchPlan, traffic: LayerTraffic, row_bytes: int, dropped_per_worker: np.ndarray,
-        expert_tokens: np.ndarray,
-    ) -> None:
-        """One MoE layer of the current step; drops are charged to the expert's first replica's worker."""
-        self.slot_tokens[layer] += plan.slot_counts.numpy()
+    def record_layer(self, layer: int, slot_counts, expert_tokens, dropped_per_worker, traffic: LayerTraffic,
+                     row_bytes: int, meta_row_bytes: int, num_tokens: int) -> None:
+        """One MoE layer of the current step. ``slot_counts [P]`` are host ints; ``expert_tokens [E]``
+        and ``dropped_per_worker [W]`` (or None) are device tensors: they come to the host once,
+        at the end of the step, not once per layer."""
+        self.slot_tokens[layer] += np.asarray(slot_counts, dtype=np.int64)
+        self._layer_counts.append((layer, expert_tokens, dropped_per_worker))
         rows = np.asarray(traffic.rows_per_worker, dtype=np.int64)
         self.worker_rows += rows
         self.worker_bytes_sent += rows * row_bytes
         self.worker_bytes_received += rows * row_bytes
-        self.meta_bytes += traffic.meta_bytes
-        self.dropped += plan.num_dropped
-        self.worker_dropped += dropped_per_worker
-        self._current_load[layer] += expert_tokens
+        self.meta_bytes += int(rows.sum()) * meta_row_bytes
+        self.bytes_sent += traffic.bytes_sent
+        self.bytes_received += traffic.bytes_received
         self._current.dispatch_s += traffic.dispatch_s
-        self._current.combine_s += traffic.combine_s
-        self._current.tokens = plan.num_tokens
+        self._current.combine_s += traffic.exchange_s  # the expert part comes out in end_step
+        self._current.tokens = num_tokens
         self._current.rows_sent += int(rows.sum())
 
     def begin_step(self) -> None:
         self._current = StepRecord()
-        self._current_load = np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
+        self._layer_counts: list = []
 
-    def end_step(self, dense_s: float, worker_results: list[Any], epoch: int) -> None:
+    def end_step(self, dense_s: float, expert_s: float, epoch: int) -> None:
         self._current.dense_s = dense_s
-        self._current.expert_s = max((sum(r["compute_s"]) for r in worker_results), default=0.0)
+        self._current.expert_s = expert_s
+        self._current.combine_s = max(0.0, self._current.combine_s - expert_s)
         self._current.epoch = epoch
+        load = np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
+        if self._layer_counts:  # the step's one host read of its counts
+            tensors = [t for _, tokens, dropped in self._layer_counts
+                       for t in ([tokens] if dropped is None else [tokens, dropped.to(tokens.dtype)])]
+            flat = np.asarray(torch.cat(tensors).tolist(), dtype=np.int64)
+            offset = 0
+            for layer, _, dropped in self._layer_counts:
+                load[layer] += flat[offset:offset + self.num_experts]
+                offset += self.num_experts
+                if dropped is not None:
+                    self.worker_dropped += flat[offset:offset + self.num_workers]
+                    self.dropped += int(flat[offset:offset + self.num_workers].sum())
+                    offset += self.num_workers
         self.steps.append(self._current)
-        self.expert_loads.append((self.num_steps, self._current_load))
+        self.expert_loads.append((self.num_steps, load))
         self.num_steps += 1
-        self._current = StepRecord()
-        self._current_load = np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
+        self.begin_step()
 
     def expert_loads_since(self, cursor: int) -> tuple[int, np.ndarray]:
         """Per-step logical-expert loads of the steps numbered ``>= cursor`` still in the ring.
@@ -111,6 +125,8 @@ class Telemetry:
             "worker_bytes_sent": self.worker_bytes_sent.tolist(),
             "worker_bytes_received": self.worker_bytes_received.tolist(),
             "meta_bytes": self.meta_bytes,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
             "dropped": self.dropped,
             "worker_dropped": self.worker_dropped.tolist(),
             "steps": [asdict(s) for s in self.steps],

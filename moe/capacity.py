@@ -63,7 +63,7 @@ def keep_mask(topk_ids: torch.Tensor, num_experts: int, config: CapacityConfig) 
     order = torch.argsort(by_priority, stable=True)
     counts = torch.bincount(by_priority, minlength=num_experts)
     starts = torch.cumsum(counts, 0) - counts
-    rank_sorted = torch.arange(by_priority.numel()) - starts[by_priority[order]]
+    rank_sorted = torch.arange(by_priority.numel(), device=topk_ids.device) - starts[by_priority[order]]
     rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
     # Step 3: keep the first `capacity` of each expert, back in [T, k] layout.
     return (rank < capacity).view(top_k, num_tokens).t()

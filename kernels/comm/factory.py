@@ -75,7 +75,10 @@ def make_communicator(
     timeout_s: float,
     device: torch.device | int | None = None,
 ) -> Communicator:
-    """Joins the group named by `rendezvous` as `rank`; blocks until all ranks joined.
+    """Joins the group named by `rendezvous` as `rank`; blocks until all ranks joined, then
+    runs a warm-up barrier (every rank must call this together): NCCL connects pairs lazily
+    on first contact, so the barrier makes that first contact now, under the deadline, not
+    inside the first real collective.
 
     device: the GPU of an NCCL rank (torch's current device by default); unused by gloo.
     """
@@ -89,12 +92,19 @@ def make_communicator(
     if backend is CommBackend.NCCL:
         from raymoe.kernels.comm.nccl import NcclCommunicator
 
-        return NcclCommunicator.create(rank, world_size, rendezvous.unique_id, timeout_s, device=device)
-    from raymoe.kernels.comm.gloo import GlooCommunicator
+        comm = NcclCommunicator.create(rank, world_size, rendezvous.unique_id, timeout_s, device=device)
+    else:
+        from raymoe.kernels.comm.gloo import GlooCommunicator
 
-    return GlooCommunicator.create(
-        rank, world_size, rendezvous.host, rendezvous.port, timeout_s, group_name=rendezvous.group_name
-    )
+        comm = GlooCommunicator.create(
+            rank, world_size, rendezvous.host, rendezvous.port, timeout_s, group_name=rendezvous.group_name
+        )
+    try:
+        comm.barrier(tag="warm-up")
+    except Exception:
+        comm.abort()
+        raise
+    return comm
 
 
 def free_port(host: str) -> int:

@@ -7,8 +7,9 @@ hang; the deadline turns that hang into an error. NCCL cannot say which peer is 
 A process that is an NCCL rank owns its GPU: one communicator per device per group.
 cupy is imported inside functions only, so this module imports on CPU-only machines.
 
-Each all-to-all-v is `groupStart()`, one send/recv pair per peer, `groupEnd()`, issued on
-a dedicated non-blocking stream. Ordering with torch is explicit: the dedicated stream
+This module is only the transport under kernels/comm/p2p.py: each batch of messages is
+`groupStart()`, one send or recv per message (as bytes), `groupEnd()`, issued on a
+dedicated non-blocking stream, under a lock that `abort()` also takes. Ordering with torch is explicit: the dedicated stream
 first waits for an event recorded on torch's current stream (so the send buffer is
 ready), and the host then waits, polling an event, until the group finished or the
 deadline passed (so the returned tensor is complete and the deadline is enforced).
@@ -16,24 +17,20 @@ deadline passed (so the returned tensor is complete and the deadline is enforced
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Sequence
 
 import torch
 
-from raymoe.kernels.comm.base import Deadline, ensure_usable, validate_group, validate_timeout
+from raymoe.kernels.comm.base import Deadline, validate_group, validate_timeout
 from raymoe.kernels.comm.errors import RECOVERY_HINT, CollectiveTimeout, CommError
-from raymoe.kernels.comm.layout import (
-    COUNT_HEADER_WIDTH,
-    AllToAllLayout,
-    nccl_data_type,
-    pack_count_header,
-    plan_all_to_all,
-    plan_payload,
-    unpack_count_header,
-)
+from raymoe.kernels.comm.layout import NcclDataType
+from raymoe.kernels.comm.p2p import Message, PointToPointCommunicator
 
-POLL_INTERVAL_S = 0.0002  # host sleep between completion checks while a group runs
+POLL_INTERVAL_S = 0.00002  # host sleep between completion checks while a group runs
+MINIMUM_WATCHDOG_S = 0.01
+UINT8 = int(NcclDataType.UINT8)  # every message moves as bytes
 NCCL_UNIQUE_ID_BYTES = 128
 
 
@@ -67,8 +64,10 @@ def validate_unique_id(unique_id: Sequence[int]) -> tuple[int, ...]:
     return values
 
 
-class NcclCommunicator:
-    """One GPU rank of an NCCL group; see `Communicator` for the method contracts."""
+class NcclCommunicator(PointToPointCommunicator):
+    """One GPU rank of an NCCL group: the transport under `PointToPointCommunicator`."""
+
+    backend_name = "nccl"
 
     def __init__(
         self,
@@ -80,13 +79,11 @@ class NcclCommunicator:
         nccl_comm,
         stream,
     ) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.timeout_s = timeout_s
+        super().__init__(rank=rank, world_size=world_size, timeout_s=timeout_s)
         self.device = device
-        self._nccl_comm = nccl_comm  # cupy.cuda.nccl.NcclCommunicator; None once closed
+        self._nccl_comm = nccl_comm  # cupy.cuda.nccl.NcclCommunicator; None once torn down
         self._stream = stream  # cupy.cuda.Stream(non_blocking=True), used by this group only
-        self._failure: CommError | None = None
+        self._closed = nccl_comm is None
 
     @classmethod
     def create(
@@ -100,16 +97,21 @@ class NcclCommunicator:
         """Joins the group named by `unique_id` (from `nccl_unique_id()` on rank 0).
 
         device: this rank's GPU; defaults to torch's current CUDA device. Blocks until all
-        ranks have joined; NCCL's own bootstrap timeout applies here, not `timeout_s`.
+        ranks have joined; NCCL's own bootstrap timeout applies here, not `timeout_s`
+        (the factory's warm-up barrier then connects every pair under `timeout_s`).
         """
         cupy, nccl = import_cupy_nccl()
         validate_group(rank, world_size)
         timeout_s = validate_timeout(timeout_s)
         unique_id = validate_unique_id(unique_id)
         device = cuda_device(device)
-        with cupy.cuda.Device(device.index):
-            nccl_comm = nccl.NcclCommunicator(world_size, unique_id, rank)
-            stream = cupy.cuda.Stream(non_blocking=True)
+        try:
+            with cupy.cuda.Device(device.index):
+                nccl_comm = nccl.NcclCommunicator(world_size, unique_id, rank)
+                stream = cupy.cuda.Stream(non_blocking=True)
+        except Exception as error:  # cupy raises NcclError, and KeyError for codes it does not know
+            raise CommError(f"rank {rank} could not join the NCCL group of {world_size} ranks: "
+                            f"{type(error).__name__}: {error}") from error
         return cls(
             rank=rank,
             world_size=world_size,
@@ -119,108 +121,97 @@ class NcclCommunicator:
             stream=stream,
         )
 
-    def exchange_counts(self, send_counts: torch.Tensor, *, tag: str) -> torch.Tensor:
-        self._check_usable(tag)
-        header = pack_count_header(send_counts, tag, self.world_size).to(self.device)  # [W, 2]
-        ones = [1] * self.world_size
-        received = self._all_to_all(header, plan_all_to_all(ones, ones, (COUNT_HEADER_WIDTH,)), tag)
-        return unpack_count_header(received.cpu(), tag, self.world_size)
+    @property
+    def transport_device(self) -> torch.device:
+        return self.device
 
-    def exchange_payload(
-        self,
-        send: torch.Tensor,
-        send_counts: Sequence[int],
-        recv_counts: Sequence[int],
-        *,
-        tag: str,
-    ) -> torch.Tensor:
-        self._check_usable(tag)
-        layout = plan_payload(send, send_counts, recv_counts, self.world_size)
-        if send.device != self.device:
-            raise CommError(
-                f"collective {tag!r}: this NCCL rank moves tensors on {self.device}, got {send.device}"
-            )
-        return self._all_to_all(send, layout, tag)
+    def _check_device(self, tensor: torch.Tensor, tag: str) -> None:
+        if tensor.device != self.device:
+            raise CommError(f"collective {tag!r}: this NCCL rank moves tensors on {self.device}, got {tensor.device}")
 
-    def barrier(self, *, tag: str) -> None:
-        # A count exchange is a barrier: no rank's group completes before every peer joined it.
-        self.exchange_counts(torch.zeros(self.world_size, dtype=torch.int64), tag=tag)
-
-    def _check_usable(self, tag: str) -> None:
-        ensure_usable(self._nccl_comm is None, self._failure, tag)
-
-    def close(self) -> None:
+    def _teardown(self, abort: bool) -> None:
         nccl_comm, self._nccl_comm = self._nccl_comm, None
-        if nccl_comm is not None:
-            nccl_comm.destroy()
+        if nccl_comm is None:
+            return
+        try:
+            nccl_comm.abort() if abort else nccl_comm.destroy()
+        except Exception:  # best effort: the handle is dropped either way
+            pass
 
-    def abort(self) -> None:
-        nccl_comm, self._nccl_comm = self._nccl_comm, None
-        if nccl_comm is not None:
-            try:
-                nccl_comm.abort()
-            except RuntimeError:
-                pass  # best effort: the handle is dropped either way
-
-    def _all_to_all(self, send: torch.Tensor, layout: AllToAllLayout, tag: str) -> torch.Tensor:
-        """Steps: 1. order after torch's stream, 2. issue the group, 3. wait until the deadline."""
+    def _post(self, sends: list[Message], recvs: list[Message], tag: str):
+        """Steps: 1. order after torch's stream, 2. one group of sends/receives, watched."""
         cupy, nccl = import_cupy_nccl()
         deadline = Deadline(self.timeout_s)
-        data_type = int(nccl_data_type(send.dtype))
-        element_size = send.element_size()
-        send = send.contiguous()
-        recv = torch.empty(layout.recv_shape(), dtype=send.dtype, device=self.device)
         with cupy.cuda.Device(self.device.index):
             # 1. The dedicated stream waits for work already queued on torch's current stream.
             torch_stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(self.device).cuda_stream)
             inputs_ready = cupy.cuda.Event(disable_timing=True)
             inputs_ready.record(torch_stream)
             self._stream.wait_event(inputs_ready)
-            # 2. One send/recv pair per peer (self included), fused into one group.
-            nccl.groupStart()
+            # 2. Messages between a pair are matched in issue order; bytes move as uint8.
+            # The first contact of a pair connects inside groupEnd and can hang: a watchdog
+            # aborts the communicator if the group is not issued before the deadline.
+            watchdog = threading.Timer(max(deadline.remaining_s(), MINIMUM_WATCHDOG_S), self._watchdog, (tag,))
+            watchdog.daemon = True
+            watchdog.start()
             try:
-                for peer_slice in layout.peers:
-                    send_offset, recv_offset = layout.byte_offsets(peer_slice.peer, element_size)
-                    if peer_slice.send_numel > 0:
-                        self._nccl_comm.send(
-                            send.data_ptr() + send_offset, peer_slice.send_numel, data_type,
-                            peer_slice.peer, self._stream.ptr,
-                        )
-                    if peer_slice.recv_numel > 0:
-                        self._nccl_comm.recv(
-                            recv.data_ptr() + recv_offset, peer_slice.recv_numel, data_type,
-                            peer_slice.peer, self._stream.ptr,
-                        )
+                nccl.groupStart()
+                try:
+                    for message in sends:
+                        self._nccl_comm.send(message.buffer.data_ptr(), message.buffer.numel(), UINT8,
+                                             message.peer, self._stream.ptr)
+                    for message in recvs:
+                        self._nccl_comm.recv(message.buffer.data_ptr(), message.buffer.numel(), UINT8,
+                                             message.peer, self._stream.ptr)
+                finally:
+                    nccl.groupEnd()
+            except Exception as error:  # NcclError, or KeyError from older cupy for new codes
+                raise self._broken(CommError(
+                    f"collective {tag!r}: NCCL failed to issue the group ({type(error).__name__}: {error}). "
+                    f"{RECOVERY_HINT}")) from error
             finally:
-                nccl.groupEnd()
+                watchdog.cancel()
             finished = cupy.cuda.Event(disable_timing=True)
             finished.record(self._stream)
-            # Even if the wait below gives up, torch must not reuse these buffers before
-            # the dedicated stream is done with them.
+            # Even if the wait gives up, torch must not reuse these buffers before the
+            # dedicated stream is done with them.
             comm_stream = torch.cuda.ExternalStream(self._stream.ptr, device=self.device)
-            send.record_stream(comm_stream)
-            recv.record_stream(comm_stream)
-            # 3. Wait on the host so the deadline holds; the result is complete on return.
-            self._wait(finished, deadline, tag)
-        return recv
+            for message in [*sends, *recvs]:
+                message.buffer.record_stream(comm_stream)
+        return finished
+
+    def _watchdog(self, tag: str) -> None:
+        """Runs on a timer thread while the issuing thread may be stuck in groupEnd: abort
+        the handle directly (the issue lock is held by that thread) so that groupEnd returns."""
+        self._broken(CollectiveTimeout(tag=tag, timeout_s=self.timeout_s, peer=None, world_size=self.world_size))
+        nccl_comm = self._nccl_comm
+        if nccl_comm is not None:
+            try:
+                nccl_comm.abort()
+            except Exception:
+                pass
+            self._nccl_comm = None
+            self._closed = True
 
     def _wait(self, finished, deadline: Deadline, tag: str) -> None:
+        """Wait on the host, polling, so the deadline holds; the result is complete on return."""
         while not finished.done:
+            if self._closed or self._nccl_comm is None:
+                raise self._broken(CommError(f"collective {tag!r}: the communicator was aborted while waiting. "
+                                             f"{RECOVERY_HINT}"))
             if deadline.has_expired():
-                self._failure = CollectiveTimeout(
-                    tag=tag, timeout_s=self.timeout_s, peer=None, world_size=self.world_size
-                )
+                failure = self._broken(CollectiveTimeout(
+                    tag=tag, timeout_s=deadline.timeout_s, peer=None, world_size=self.world_size))
                 self.abort()  # unblocks the kernels of this group so the GPU is usable again
-                raise self._failure
+                raise failure
             try:
                 self._nccl_comm.check_async_error()
-            except RuntimeError as error:  # cupy's NcclError: e.g. a peer's connection broke
-                self._failure = CommError(
-                    f"collective {tag!r}: NCCL reported an asynchronous error ({error}); "
-                    f"a peer may have died. {RECOVERY_HINT}"
-                )
+            except Exception as error:  # NcclError (a peer's connection broke), KeyError (old cupy)
+                failure = self._broken(CommError(
+                    f"collective {tag!r}: NCCL reported an asynchronous error ({type(error).__name__}: {error}); "
+                    f"a peer may have died. {RECOVERY_HINT}"))
                 self.abort()
-                raise self._failure from error
+                raise failure from error
             time.sleep(POLL_INTERVAL_S)
 
 
