@@ -246,6 +246,14 @@ def _cross_field_problem(config: ClusterConfig) -> str | None:
     is_explicit = placement.strategy is PlacementStrategy.EXPLICIT
     if not config.model:
         return "model: expected a checkpoint path; got ''"
+    if config.comm.backend is CommBackend.GLOO and config.device is Device.CUDA:
+        # gloo moves CPU tensors only: every dispatch on GPU activations would fail, and
+        # recovery would rebuild the same gloo group and fail again, forever. (device auto
+        # resolves at deploy time, where the backend follows it.)
+        return (
+            "comm.backend: gloo moves CPU tensors only, so it cannot serve device: cuda; "
+            "set comm.backend: nccl (or auto) for GPUs, or device: cpu to keep gloo"
+        )
     if is_explicit and placement.experts is None:
         return "placement.experts: required when placement.strategy is explicit"
     if not is_explicit:

@@ -190,6 +190,41 @@ def test_errors_name_the_yaml_path(tmp_path, text, message):
     assert str(info.value).startswith(f"{path}: {message}"), str(info.value)
 
 
+GLOO_ON_CUDA = (
+    "comm.backend: gloo moves CPU tensors only, so it cannot serve device: cuda; "
+    "set comm.backend: nccl (or auto) for GPUs, or device: cpu to keep gloo"
+)
+
+
+@pytest.mark.parametrize("comm", ["comm: {backend: gloo}\n", "comm:\n  backend: gloo\n  timeout_s: 5\n"])
+def test_gloo_with_cuda_is_refused_at_load(tmp_path, comm):
+    # Deployed, every collective on GPU activations would fail and recovery would retry forever.
+    path = write(tmp_path, MINIMUM.replace("device: cpu", "device: cuda") + comm, "bad.yaml")
+    with pytest.raises(ConfigError) as info:
+        load_cluster_config(path)
+    assert str(info.value) == f"{path}: {GLOO_ON_CUDA}"
+    with pytest.raises(ConfigError, match=r"^<config>: comm\.backend: gloo .* device: cuda"):
+        parse_cluster_config({"model": "/m", "device": "cuda", "comm": {"backend": "gloo"}})
+
+
+def test_gloo_with_cuda_is_refused_with_an_explicit_placement_too():
+    # The explicit-placement checks take another branch of the cross-field checks.
+    text = explicit("{0: [0, 1], 2: [2, 3]}").replace("device: cpu", "device: cuda") + "comm: {backend: gloo}\n"
+    with pytest.raises(ConfigError, match="comm.backend: gloo moves CPU tensors only"):
+        load_cluster_config(text)
+
+
+@pytest.mark.parametrize(
+    "device, backend",
+    [("cuda", "nccl"), ("cuda", "auto"), ("cpu", "gloo"), ("cpu", "auto"), ("auto", "gloo"), ("auto", "auto"),
+     ("auto", "nccl")],
+)
+def test_device_and_backend_combinations_that_load(device, backend):
+    # device auto resolves at deploy time (where the backend follows it), so gloo is allowed there.
+    config = parse_cluster_config({"model": "/m", "device": device, "comm": {"backend": backend}})
+    assert config.device is Device(device) and config.comm.backend is CommBackend(backend)
+
+
 def test_yaml_syntax_error_names_the_line(tmp_path):
     path = write(tmp_path, "model: /m\nplacement: {strategy: contiguous\nrouters: 2\n")
     with pytest.raises(ConfigError, match=r"cluster\.yaml: line 3, column \d+: invalid YAML"):

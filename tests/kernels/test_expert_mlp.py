@@ -121,3 +121,71 @@ def test_slot_rows_pick_experts_from_a_larger_pool() -> None:
         grouped_swiglu(x, counts, pool_w13, pool_w2, slot_rows=[0, 1, 5])
     with pytest.raises(ValueError, match="slot counts for"):
         grouped_swiglu(x, counts, pool_w13, pool_w2, slot_rows=[0, 1])
+
+
+# ---- CUDA: the same contract on the GPU, and torch._grouped_mm against the loop ----------
+# Skipped without CUDA (tests/conftest.py). On Hopper and later with bfloat16, grouped_swiglu
+# takes torch._grouped_mm; elsewhere, and for layouts that kernel refuses, the loop.
+
+
+def on_cuda(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to("cuda") for t in tensors]
+
+
+def grouped_mm_available() -> bool:
+    from raymoe.kernels.expert_mlp import _can_grouped_mm
+
+    probe = torch.zeros(1, 8, dtype=torch.bfloat16, device="cuda")
+    return _can_grouped_mm(probe, probe)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("counts,hidden,intermediate", SHAPES)
+def test_cuda_matches_per_row_reference(counts, hidden, intermediate, dtype) -> None:
+    x, w13, w2 = make_inputs(counts, hidden, intermediate, dtype, seed=len(counts) * 100 + hidden)
+    out = grouped_swiglu(*on_cuda(x), counts, *on_cuda(w13, w2))
+    assert out.device.type == "cuda" and out.shape == x.shape and out.dtype == dtype
+    expected = reference(x, counts, w13, w2).to(dtype)
+    torch.testing.assert_close(out.cpu(), expected, **TOLERANCES[dtype])
+
+
+# Shapes the grouped kernel accepts (rows 16-byte aligned): empty slots first, between, last.
+ALIGNED = [
+    ([5, 0, 11, 3], 128, 64),
+    ([0, 17, 1, 0, 30, 2, 0, 9], 256, 128),
+    ([64, 64], 512, 1024),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts,hidden,intermediate", ALIGNED)
+def test_grouped_mm_path_runs_without_fallback_and_matches_the_loop(counts, hidden, intermediate) -> None:
+    import warnings
+
+    from raymoe.kernels.expert_mlp import _grouped_swiglu_loop
+
+    if not grouped_mm_available():
+        pytest.skip("torch._grouped_mm path not used here (needs compute capability >= 9 and torch._grouped_mm)")
+    x, w13, w2 = on_cuda(*make_inputs(counts, hidden, intermediate, torch.bfloat16, seed=hidden))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fallback warns: here it must not be taken
+        grouped = grouped_swiglu(x, counts, w13, w2)
+    loop = _grouped_swiglu_loop(x, counts, w13, w2, list(range(len(counts))))
+    torch.testing.assert_close(grouped, loop, rtol=2e-2, atol=2e-2)
+    expected = reference(x.cpu(), counts, w13.cpu(), w2.cpu()).to(torch.bfloat16)
+    torch.testing.assert_close(grouped.cpu(), expected, **TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_cuda_slot_rows_and_no_rows() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(9, 64, dtype=torch.bfloat16, device="cuda")
+    pool_w13 = torch.randn(5, 64, 64, dtype=torch.bfloat16, device="cuda") / 8
+    pool_w2 = torch.randn(5, 64, 32, dtype=torch.bfloat16, device="cuda") / 8
+    rows, counts = [3, 0, 1], [4, 0, 5]
+    out = grouped_swiglu(x, counts, pool_w13, pool_w2, slot_rows=rows)
+    expected = grouped_swiglu(x, counts, pool_w13[rows], pool_w2[rows])
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+    empty = grouped_swiglu(x[:0], [0, 0, 0, 0, 0], pool_w13, pool_w2)
+    assert empty.shape == (0, 64) and empty.device.type == "cuda"

@@ -1,0 +1,789 @@
+"""One short GPU check of raymoe on one CUDA GPU: PASS/FAIL per check, a summary, a JSON file.
+
+Sized for one H200 lease: every check has its own time budget and the whole run stays under
+8 minutes (TOTAL_BUDGET_S). Each check runs in its own Python process (this script, with
+``--child``), so an exception, a crash or a hang in one (say, an NCCL call that never
+returns) is caught by its budget and hides none of the others.
+
+  a  versions: torch, its CUDA and NCCL, the GPU, cupy and cupy's NCCL (informational)
+  b  ``python -m pytest -q -p no:cacheprovider -m gpu tests/`` (its tail printed)
+  c  the engine's logits on CUDA vs CPU (tiny random Mixtral): float32 max |diff| < 1e-3,
+     bfloat16 argmax agreement and max |diff| printed
+  d  grouped GEMM (``torch._grouped_mm``) vs the per-slot loop at expert-worker shapes,
+     Mixtral 8x7B and DeepSeek-V3, bfloat16: outputs compared, both timed
+  e  ``raymoe.engine.experts.combine_partials`` bitwise deterministic over 20 runs (bf16)
+  f  host syncs in one decode step of the engine on CUDA (informational)
+  g  a one-rank NCCL communicator: exchange, abort(), re-create, exchange again
+  h  one-rank NCCL ``exchange_payload`` latency for 1, 64 and 1024 rows of 7168 bf16
+
+Statuses: PASS, FAIL, SKIP (cannot run here: no CUDA, no cupy NCCL, API not yet present),
+INFO (measured, nothing to pass). The exit status is 1 when any check FAILed, else 0.
+Without CUDA every CUDA check is SKIPped at once (the script is quick on a CPU machine).
+
+Run::
+
+    python benchmarks/gpu_check.py                 # all checks
+    python benchmarks/gpu_check.py --only c,d      # some of them
+    python benchmarks/gpu_check.py --cpu-smoke     # the CUDA checks' code on the CPU at small
+                                                   # shapes, gloo for NCCL: tests this script,
+                                                   # measures nothing about GPUs
+
+The JSON summary goes to ``$OUT/gpu_check.json`` when OUT is set, else
+``benchmarks/results/gpu_check.json`` (or ``--json PATH``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOTAL_BUDGET_S = 450  # the whole run, all checks and their process starts: well under 8 minutes
+RESERVE_S = 5  # kept back for the summary and the JSON
+
+
+@dataclass(frozen=True)
+class Check:
+    key: str
+    title: str
+    budget_s: int  # the check's own process, start to end
+    needs_cuda: bool
+
+
+CHECKS = [
+    Check("a", "versions", 40, needs_cuda=False),
+    Check("b", "pytest -m gpu", 180, needs_cuda=True),
+    Check("c", "engine logits CUDA vs CPU", 50, needs_cuda=True),
+    Check("d", "grouped GEMM vs per-slot loop", 60, needs_cuda=True),
+    Check("e", "bf16 combine bitwise determinism", 25, needs_cuda=True),
+    Check("f", "host syncs per decode step", 40, needs_cuda=True),
+    Check("g", "NCCL abort and re-create", 25, needs_cuda=True),
+    Check("h", "NCCL exchange latency", 30, needs_cuda=True),
+]
+assert sum(c.budget_s for c in CHECKS) <= TOTAL_BUDGET_S
+
+
+def log(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def result(status: str, summary: str, **details) -> dict:
+    return {"status": status, "summary": summary, "details": details}
+
+
+# ---- setup shared by the checks (child processes) ----------------------------------------
+def ensure_raymoe_importable() -> str:
+    """raymoe's folders map onto ``raymoe.*`` through the (editable) install; without one,
+    as on a bare GPU machine, extend ``raymoe.__path__`` with the source tree instead."""
+    try:
+        import raymoe.kernels.expert_mlp  # noqa: F401
+
+        return "installed"
+    except ImportError:
+        pass
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    for name in [m for m in sys.modules if m == "raymoe" or m.startswith("raymoe.")]:
+        del sys.modules[name]
+    import raymoe
+
+    if str(REPO) not in list(raymoe.__path__):
+        raymoe.__path__.append(str(REPO))
+    import raymoe.kernels.expert_mlp  # noqa: F401
+
+    return "source tree (not installed; raymoe.__path__ extended)"
+
+
+def tests_on_path() -> None:
+    tests = str(REPO / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+
+
+def device_for(smoke: bool):
+    import torch
+
+    return torch.device("cpu") if smoke else torch.device("cuda", 0)
+
+
+def synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn, device, warmup: int = 3, iters: int = 20) -> list[float]:
+    """Seconds per call: CUDA events on the GPU, perf_counter on the CPU."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+    return times
+
+
+def max_rel(a, b) -> float:
+    """max |a - b| / max |b| (relative to the reference's scale, robust near zeros)."""
+    a, b = a.float(), b.float()
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def cupy_nccl_missing() -> str | None:
+    try:
+        import cupy
+        from cupy.cuda import nccl
+    except Exception as error:
+        return f"cannot import cupy.cuda.nccl ({type(error).__name__}: {error})"
+    if not getattr(nccl, "available", False):
+        return f"cupy {cupy.__version__} cannot load libnccl"
+    return None
+
+
+def nccl_version_text(code: int) -> str:
+    return f"{code // 10000}.{code % 10000 // 100}.{code % 100}" if code >= 10000 else str(code)
+
+
+def tiny_mixtral(tmp: str) -> str:
+    tests_on_path()
+    from tiny_models import build_reference_model, write_checkpoint
+
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except Exception:
+        pass
+
+    return write_checkpoint(build_reference_model("mixtral"), tmp)
+
+
+def tiny_prompts() -> list[list[int]]:
+    import torch
+
+    tests_on_path()
+    from tiny_models import VOCAB
+
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(4, VOCAB, (n,), generator=generator).tolist() for n in (3, 21, 40)]
+
+
+# ---- a: versions -------------------------------------------------------------------------
+def check_versions(smoke: bool, budget_s: float) -> dict:
+    import platform
+
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+            "cuda_available": torch.cuda.is_available(), "raymoe": ensure_raymoe_importable()}
+    log(f"python {info['python']}, torch {torch.__version__} (CUDA {torch.version.cuda}), raymoe: {info['raymoe']}")
+    parts = [f"torch {torch.__version__} CUDA {torch.version.cuda}"]
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, gpu_count=torch.cuda.device_count(), capability=f"{props.major}.{props.minor}",
+                    gpu_memory_gib=round(props.total_memory / 2**30, 1), multiprocessors=props.multi_processor_count)
+        log(f"GPU: {props.name} x{info['gpu_count']}, sm_{props.major}{props.minor}, "
+            f"{info['gpu_memory_gib']} GiB, {props.multi_processor_count} SMs")
+        parts.append(f"{props.name} sm_{props.major}{props.minor}")
+        try:
+            version = torch.cuda.nccl.version()
+            info["torch_nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        except Exception as error:
+            info["torch_nccl"] = f"unavailable ({type(error).__name__}: {error})"
+        log(f"NCCL as torch sees it: {info['torch_nccl']}")
+        parts.append(f"torch NCCL {info['torch_nccl']}")
+        info["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
+        log(f"torch.backends.cuda.matmul.allow_tf32 = {info['tf32_matmul']}")
+    else:
+        info["gpu"] = None
+        log("GPU: none (torch sees no CUDA device)")
+        parts.append("no GPU")
+    try:
+        import cupy
+
+        info["cupy"] = cupy.__version__
+        try:
+            info["cupy_cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+        except Exception as error:
+            info["cupy_cuda_runtime"] = f"unavailable ({type(error).__name__})"
+        missing = cupy_nccl_missing()
+        if missing is None:
+            from cupy.cuda import nccl
+
+            info["cupy_nccl"] = nccl_version_text(nccl.get_version())
+        else:
+            info["cupy_nccl"] = f"missing: {missing}"
+    except Exception as error:
+        info["cupy"] = f"missing ({type(error).__name__}: {error})"
+        info["cupy_nccl"] = "missing (no cupy)"
+    if "cupy_cuda_runtime" in info:
+        log(f"cupy: {info['cupy']} (CUDA runtime {info['cupy_cuda_runtime']}), cupy NCCL: {info['cupy_nccl']}")
+        parts.append(f"cupy {info['cupy']} NCCL {str(info['cupy_nccl']).split(' (')[0]}")
+    else:
+        log(f"cupy: {info['cupy']}")
+        parts.append("cupy missing")
+    for name in ("transformers", "safetensors", "tokenizers", "ray", "msgspec"):
+        try:
+            module = __import__(name)
+            info[name] = getattr(module, "__version__", "?")
+        except Exception:
+            info[name] = "missing"
+    log("packages: " + ", ".join(f"{n} {info[n]}" for n in ("transformers", "safetensors", "tokenizers", "ray",
+                                                           "msgspec")))
+    return result("INFO", ", ".join(parts), **info)
+
+
+# ---- b: pytest -m gpu --------------------------------------------------------------------
+SHIM = """import os, raymoe
+_root = os.environ["RAYMOE_SOURCE_ROOT"]
+if _root not in list(raymoe.__path__):
+    raymoe.__path__.append(_root)
+"""
+
+
+def parse_pytest(output: str) -> dict:
+    counts = {}
+    tail = [line for line in output.splitlines() if line.strip()]
+    final = tail[-1] if tail else ""
+    for number, word in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed)", final):
+        counts["error" if word.startswith("error") else word] = int(number)
+    collection_errors = sorted({m for m in re.findall(r"^ERROR (\S+?\.py)(?: - .*)?$", output, re.M)})
+    test_errors = re.findall(r"^ERROR \S+::\S+", output, re.M)
+    failed = re.findall(r"^FAILED (\S+)", output, re.M)
+    return {"counts": counts, "final_line": final, "collection_errors": collection_errors,
+            "test_errors": len(test_errors), "failed_tests": failed}
+
+
+def check_pytest(smoke: bool, budget_s: float) -> dict:
+    mode = ensure_raymoe_importable()
+    targets = ["tests/kernels/test_expert_mlp.py"] if smoke else ["tests/"]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *targets,
+               "-rfEs", "--continue-on-collection-errors"]
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1"}
+    with tempfile.TemporaryDirectory() as shim_dir:
+        if mode != "installed":
+            Path(shim_dir, "raymoe_source_shim.py").write_text(SHIM)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [shim_dir, env.get("PYTHONPATH")]))
+            env["RAYMOE_SOURCE_ROOT"] = str(REPO)
+            command[3:3] = ["-p", "raymoe_source_shim"]
+        timeout_s = max(10.0, budget_s - 15)
+        log("$ " + " ".join(command[2:]) + f"   (timeout {timeout_s:.0f} s)")
+        output, code = run_process(command, env, timeout_s)
+    lines = output.splitlines()
+    log("---- pytest tail ----")
+    for line in lines[-40:]:
+        log("  " + line)
+    if code is None:
+        return result("FAIL", f"pytest timed out after {timeout_s:.0f} s", tail=lines[-40:])
+    parsed = parse_pytest(output)
+    counts = parsed["counts"]
+    gpu_files_not_collected = [
+        path for path in parsed["collection_errors"]
+        if (REPO / path).is_file() and "mark.gpu" in (REPO / path).read_text(errors="replace")
+    ]
+    notes = []
+    if parsed["collection_errors"]:
+        notes.append(f"{len(parsed['collection_errors'])} files without gpu tests did not import "
+                     f"(missing packages here?): {', '.join(parsed['collection_errors'][:6])}")
+    problems = []
+    if counts.get("failed"):
+        problems.append(f"{counts['failed']} failed")
+    if parsed["test_errors"]:
+        problems.append(f"{parsed['test_errors']} errors")
+    if gpu_files_not_collected:
+        problems.append(f"files with gpu tests did not import: {', '.join(gpu_files_not_collected)}")
+    if not smoke and not counts.get("passed"):
+        problems.append("no gpu test passed")
+    if code not in (0, 1) and not parsed["collection_errors"]:
+        problems.append(f"pytest exit status {code}")
+    summary = parsed["final_line"].strip("= ") or f"exit status {code}"
+    details = dict(parsed, exit_status=code, notes=notes, gpu_files_not_collected=gpu_files_not_collected)
+    if notes:
+        log("note: " + "; ".join(notes))
+    if problems:
+        return result("FAIL", f"{summary} ({'; '.join(problems)})", **details)
+    return result("PASS", summary + (" (collection errors outside gpu tests, see notes)" if notes else ""), **details)
+
+
+def run_process(command: list[str], env: dict, timeout_s: float, cwd: Path = REPO) -> tuple[str, int | None]:
+    """(stdout+stderr, exit status); None for the status when it ran out of time (its process
+    group is killed, grandchildren included)."""
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+        return output, process.returncode
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        output, _ = process.communicate()
+        return output or "", None
+
+
+# ---- c: engine logits CUDA vs CPU ----------------------------------------------------------
+def check_engine_logits(smoke: bool, budget_s: float) -> dict:
+    import torch
+
+    ensure_raymoe_importable()
+    from raymoe.engine.engine import EngineConfig, LLMEngine
+
+    device = "cpu" if smoke else "cuda"
+    prompts = tiny_prompts()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = tiny_mixtral(tmp)
+
+        def score(dtype: str, on: str) -> torch.Tensor:
+            engine = LLMEngine.from_pretrained(path, EngineConfig(dtype=dtype, device=on))
+            return torch.cat(engine.score(prompts))  # [tokens, V] float32 on the CPU
+
+        cpu32 = score("float32", "cpu")
+        cuda32 = score("float32", device)
+        cuda16 = score("bfloat16", device)
+        cpu16 = score("bfloat16", "cpu")
+    diff32 = (cuda32 - cpu32).abs().max().item()
+    diff16 = (cuda16 - cpu32).abs().max().item()
+    agree16 = (cuda16.argmax(-1) == cpu32.argmax(-1)).float().mean().item()
+    cpu_diff16 = (cpu16 - cpu32).abs().max().item()
+    cpu_agree16 = (cpu16.argmax(-1) == cpu32.argmax(-1)).float().mean().item()
+    log(f"{cpu32.shape[0]} positions x {cpu32.shape[1]} vocab, logits std {cpu32.std().item():.3f}")
+    log(f"{device} float32  vs cpu float32: max |diff| {diff32:.2e} (limit 1e-3)")
+    log(f"{device} bfloat16 vs cpu float32: max |diff| {diff16:.3f}, argmax agreement {agree16:.1%}")
+    log(f"(baseline) cpu bfloat16 vs cpu float32: max |diff| {cpu_diff16:.3f}, argmax agreement {cpu_agree16:.1%}")
+    details = dict(positions=cpu32.shape[0], float32_max_diff=diff32, bfloat16_max_diff=diff16,
+                   bfloat16_argmax_agreement=agree16, cpu_bfloat16_max_diff=cpu_diff16,
+                   cpu_bfloat16_argmax_agreement=cpu_agree16)
+    summary = f"fp32 max|diff| {diff32:.1e}; bf16 max|diff| {diff16:.3f}, argmax agree {agree16:.0%}"
+    if not torch.isfinite(cuda32).all() or not torch.isfinite(cuda16).all():
+        return result("FAIL", "non-finite logits on " + device + "; " + summary, **details)
+    if diff32 >= 1e-3:
+        return result("FAIL", summary + " (fp32 limit 1e-3)", **details)
+    return result("PASS", summary, **details)
+
+
+# ---- d: grouped GEMM vs the per-slot loop --------------------------------------------------
+# (name, hidden D, intermediate I, local experts S, rows A): one expert worker's share.
+WORKER_SHAPES = [
+    ("Mixtral-8x7B", 4096, 14336, 4, 256),
+    ("DeepSeek-V3", 7168, 2048, 32, 512),
+]
+SMOKE_SHAPES = [("Mixtral-like (smoke)", 256, 512, 4, 64), ("DeepSeek-like (smoke)", 448, 128, 8, 128)]
+
+
+def check_grouped_gemm(smoke: bool, budget_s: float) -> dict:
+    import torch
+
+    ensure_raymoe_importable()
+    from raymoe.kernels.expert_mlp import _can_grouped_mm, _grouped_swiglu_loop, grouped_swiglu
+
+    device = device_for(smoke)
+    rows_out, failures = [], []
+    for name, hidden, inter, slots, rows in SMOKE_SHAPES if smoke else WORKER_SHAPES:
+        generator = torch.Generator(device=device).manual_seed(0)
+        bf16 = torch.bfloat16
+        x = torch.randn(rows, hidden, device=device, dtype=bf16, generator=generator)
+        w13 = torch.randn(slots, 2 * inter, hidden, device=device, dtype=bf16, generator=generator).mul_(hidden**-0.5)
+        w2 = torch.randn(slots, hidden, inter, device=device, dtype=bf16, generator=generator).mul_(inter**-0.5)
+        counts = torch.bincount(torch.randint(0, slots, (rows,), generator=torch.Generator().manual_seed(1)),
+                                minlength=slots).tolist()
+        expected_grouped = x.is_cuda and _can_grouped_mm(x, w13)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            grouped = grouped_swiglu(x, counts, w13, w2)
+        fallback = [str(w.message) for w in caught if "grouped_mm" in str(w.message)]
+        path = "torch._grouped_mm" if expected_grouped and not fallback else "loop"
+        loop = _grouped_swiglu_loop(x, counts, w13, w2, list(range(slots)))
+        reference = _grouped_swiglu_loop(x.float(), counts, w13.float(), w2.float(), list(range(slots)))
+        rel_grouped_loop = max_rel(grouped, loop)
+        rel_grouped_ref, rel_loop_ref = max_rel(grouped, reference), max_rel(loop, reference)
+        del reference
+        t_grouped = statistics.median(time_calls(lambda: grouped_swiglu(x, counts, w13, w2), device))
+        t_loop = statistics.median(time_calls(lambda: _grouped_swiglu_loop(x, counts, w13, w2, list(range(slots))),
+                                              device))
+        used = sum(1 for c in counts if c)
+        weight_bytes = used * 3 * inter * hidden * 2  # bf16 weights of the non-empty slots
+        flops = 2 * rows * hidden * 3 * inter
+        row = dict(shape=name, hidden=hidden, intermediate=inter, slots=slots, rows=rows, nonempty_slots=used,
+                   path=path, fallback_warning=fallback[:1], rel_grouped_vs_loop=rel_grouped_loop,
+                   rel_grouped_vs_fp32=rel_grouped_ref, rel_loop_vs_fp32=rel_loop_ref,
+                   grouped_ms=t_grouped * 1e3, loop_ms=t_loop * 1e3, speedup=t_loop / t_grouped,
+                   grouped_weight_tb_s=weight_bytes / t_grouped / 1e12, grouped_tflop_s=flops / t_grouped / 1e12,
+                   loop_weight_tb_s=weight_bytes / t_loop / 1e12)
+        rows_out.append(row)
+        log(f"{name}: D={hidden} I={inter} S={slots} A={rows} ({used} slots used), path {path}")
+        if fallback:
+            log(f"  fallback warning: {fallback[0][:300]}")
+        log(f"  max rel diff: grouped vs loop {rel_grouped_loop:.2e}; vs fp32 loop: grouped {rel_grouped_ref:.2e}, "
+            f"loop {rel_loop_ref:.2e}")
+        log(f"  median of 20: grouped {t_grouped * 1e3:.3f} ms ({row['grouped_weight_tb_s']:.2f} TB/s of weights, "
+            f"{row['grouped_tflop_s']:.0f} TFLOP/s), loop {t_loop * 1e3:.3f} ms "
+            f"({row['loop_weight_tb_s']:.2f} TB/s); loop/grouped {row['speedup']:.2f}x")
+        if not (torch.isfinite(grouped).all() and torch.isfinite(loop).all()):
+            failures.append(f"{name}: non-finite output")
+        for label, value in [("grouped vs loop", rel_grouped_loop), ("grouped vs fp32", rel_grouped_ref),
+                             ("loop vs fp32", rel_loop_ref)]:
+            if not value < 2e-2:
+                failures.append(f"{name}: {label} rel diff {value:.2e} >= 2e-2")
+        if expected_grouped and fallback:
+            failures.append(f"{name}: torch._grouped_mm fell back to the loop")
+        del x, w13, w2, grouped, loop
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    summary = "; ".join(f"{r['shape']}: grouped_swiglu [{r['path']}] {r['grouped_ms']:.3f} ms, "
+                        f"per-slot loop {r['loop_ms']:.3f} ms ({r['speedup']:.2f}x), "
+                        f"rel {r['rel_grouped_vs_loop']:.1e}" for r in rows_out)
+    if failures:
+        return result("FAIL", "; ".join(failures), shapes=rows_out)
+    return result("PASS", summary, shapes=rows_out)
+
+
+# ---- e: combine determinism ----------------------------------------------------------------
+def check_combine_determinism(smoke: bool, budget_s: float) -> dict:
+    import torch
+
+    ensure_raymoe_importable()
+    try:
+        from raymoe.engine.experts import combine_partials
+    except ImportError as error:
+        return result("SKIP", f"not yet present: raymoe.engine.experts.combine_partials ({error})")
+    try:
+        from raymoe.engine.experts import scatter_rows_add
+    except ImportError:
+        scatter_rows_add = None
+
+    device = device_for(smoke)
+    tokens, received, hidden, runs = 512, 1500, (512 if smoke else 7168), 20
+    generator = torch.Generator(device=device).manual_seed(0)
+    send_token = torch.randint(0, tokens, (received,), device=device, generator=generator)
+    partial = torch.randn(received, hidden, device=device, dtype=torch.bfloat16, generator=generator)
+
+    def bits(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().contiguous().view(-1).view(torch.uint8)
+
+    import inspect
+
+    extra = {}
+    if "max_rows_per_token" in inspect.signature(combine_partials).parameters:  # the bound on a token's rows
+        extra["max_rows_per_token"] = int(torch.bincount(send_token, minlength=tokens).max().item())
+    results = [combine_partials(tokens, send_token, partial, **extra) for _ in range(runs)]
+    synchronize(device)
+    first = results[0]
+    differing = sum(1 for r in results[1:] if r.shape != first.shape or not torch.equal(bits(r), bits(first)))
+    reference = torch.zeros(tokens, hidden, dtype=torch.float64).index_add_(0, send_token.cpu(),
+                                                                             partial.double().cpu())
+    rel = max_rel(first.cpu(), reference)
+    scatter_differing = None  # the atomics-based add, for contrast, while it exists
+    if scatter_rows_add is not None:
+        scatter = [scatter_rows_add(tokens, send_token, partial) for _ in range(runs)]
+        scatter_differing = sum(1 for r in scatter[1:] if not torch.equal(bits(r), bits(scatter[0])))
+    log(f"T={tokens} N={received} D={hidden} bf16 on {device}{''.join(f', {k}={v}' for k, v in extra.items())}: "
+        f"result {tuple(first.shape)} {first.dtype}")
+    log(f"combine_partials: {runs - 1 - differing}/{runs - 1} repeats bitwise equal to the first; "
+        f"max rel diff vs float64 {rel:.2e}")
+    if scatter_differing is not None:
+        log(f"(contrast) scatter_rows_add: {runs - 1 - scatter_differing}/{runs - 1} repeats bitwise equal")
+    details = dict(tokens=tokens, rows=received, hidden=hidden, runs=runs, differing_runs=differing, **extra,
+                   rel_vs_float64=rel, dtype=str(first.dtype), scatter_rows_add_differing_runs=scatter_differing)
+    if tuple(first.shape) != (tokens, hidden):
+        return result("FAIL", f"shape {tuple(first.shape)}, expected {(tokens, hidden)}", **details)
+    if differing:
+        return result("FAIL", f"{differing}/{runs - 1} repeats differ bitwise", **details)
+    if not rel < 1e-2:
+        return result("FAIL", f"bitwise stable but max rel diff vs float64 {rel:.2e} >= 1e-2", **details)
+    contrast = "" if scatter_differing is None else f" (scatter_rows_add: {scatter_differing} of {runs - 1} differ)"
+    return result("PASS", f"{runs} runs bitwise equal, rel diff vs fp64 {rel:.1e}{contrast}", **details)
+
+
+# ---- f: host syncs per decode step ---------------------------------------------------------
+def check_host_syncs(smoke: bool, budget_s: float) -> dict:
+    import torch
+
+    ensure_raymoe_importable()
+    from raymoe.engine.engine import EngineConfig, LLMEngine
+    from raymoe.engine.sampling_params import SamplingParams
+
+    device = "cpu" if smoke else "cuda"
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = LLMEngine.from_pretrained(tiny_mixtral(tmp), EngineConfig(dtype="bfloat16", device=device))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(tiny_prompts() + [list(range(5, 17))]):
+        engine.add_request(f"r{i}", prompt, params)
+
+    def counted_step() -> tuple[int, int, dict]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if not smoke:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                outputs = engine.step()
+            finally:
+                if not smoke:
+                    torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+        places: dict[str, int] = {}
+        for w in syncs:
+            where = f"{Path(w.filename).name}:{w.lineno}"
+            places[where] = places.get(where, 0) + 1
+        return len(outputs), len(syncs), places
+
+    prefill_seqs, prefill_syncs, prefill_places = counted_step()
+    engine.step()  # a first decode step, outside the count (lazy initialisation)
+    decode_seqs, decode_syncs, decode_places = counted_step()
+    top = sorted(decode_places.items(), key=lambda kv: -kv[1])[:10]
+    log(f"prefill step ({prefill_seqs} sequences): {prefill_syncs} synchronizing CUDA calls")
+    log(f"decode step ({decode_seqs} running sequences): {decode_syncs} synchronizing CUDA calls")
+    for where, count in top:
+        log(f"  {count:4d}  {where}")
+    if smoke:
+        log("(cpu smoke: set_sync_debug_mode needs CUDA, so nothing is counted)")
+    return result("INFO", f"{decode_syncs} host syncs in one decode step of {decode_seqs} sequences "
+                          f"(prefill: {prefill_syncs})", decode_sequences=decode_seqs, decode_syncs=decode_syncs,
+                  decode_sync_places=dict(top), prefill_sequences=prefill_seqs, prefill_syncs=prefill_syncs)
+
+
+# ---- g, h: one-rank NCCL communicator ------------------------------------------------------
+def one_rank_communicator(smoke: bool):
+    import torch
+
+    from raymoe.kernels.comm import CommBackend, make_communicator, new_rendezvous
+
+    backend = CommBackend.GLOO if smoke else CommBackend.NCCL
+    device = None if smoke else torch.device("cuda", 0)
+    return make_communicator(backend, new_rendezvous(backend), rank=0, world_size=1, timeout_s=10, device=device)
+
+
+def nccl_skip(smoke: bool) -> dict | None:
+    if smoke:
+        return None
+    missing = cupy_nccl_missing()
+    return None if missing is None else result("SKIP", f"cupy with NCCL missing: {missing}")
+
+
+def check_comm_abort(smoke: bool, budget_s: float) -> dict:
+    import torch
+
+    ensure_raymoe_importable()
+    skip = nccl_skip(smoke)
+    if skip:
+        return skip
+    from raymoe.kernels.comm import CommClosedError
+
+    device = device_for(smoke)
+    rows, hidden = 37, 7168
+    steps, timings = [], {}
+
+    def timed(label, fn):
+        started = time.perf_counter()
+        value = fn()
+        timings[label] = time.perf_counter() - started
+        return value
+
+    comm = timed("create_s", lambda: one_rank_communicator(smoke))
+    send = torch.randn(rows, hidden, device=device).to(torch.bfloat16)
+    received = timed("exchange_s", lambda: comm.exchange_payload(send, [rows], [rows], tag="x"))
+    first_ok = torch.equal(received, send)
+    steps.append(f"first exchange round trip {'equal' if first_ok else 'DIFFERS'}")
+    timed("abort_s", comm.abort)
+    try:
+        comm.exchange_payload(send, [rows], [rows], tag="after abort")
+        after_abort = "no error"
+    except CommClosedError:
+        after_abort = "CommClosedError"
+    except Exception as error:
+        after_abort = f"{type(error).__name__}: {error}"
+    steps.append(f"exchange after abort: {after_abort}")
+    comm2 = timed("recreate_s", lambda: one_rank_communicator(smoke))
+    send2 = torch.randn(rows, hidden, device=device).to(torch.bfloat16)
+    received2 = timed("exchange2_s", lambda: comm2.exchange_payload(send2, [rows], [rows], tag="x"))
+    second_ok = torch.equal(received2, send2)
+    steps.append(f"exchange on the new communicator {'equal' if second_ok else 'DIFFERS'}")
+    comm2.close()
+    for step in steps:
+        log(step)
+    log("timings: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timings.items()))
+    details = dict(steps=steps, after_abort=after_abort, **timings)
+    if first_ok and second_ok and after_abort == "CommClosedError":
+        return result("PASS", f"exchange, abort ({timings['abort_s'] * 1e3:.0f} ms), re-create "
+                              f"({timings['recreate_s'] * 1e3:.0f} ms), exchange: all equal", **details)
+    return result("FAIL", "; ".join(steps), **details)
+
+
+def check_comm_latency(smoke: bool, budget_s: float) -> dict:
+    import torch
+
+    ensure_raymoe_importable()
+    skip = nccl_skip(smoke)
+    if skip:
+        return skip
+    device = device_for(smoke)
+    hidden, iters = 7168, 50
+    comm = one_rank_communicator(smoke)
+    medians, problems = {}, []
+    try:
+        counts = torch.tensor([1])
+        count_times = []
+        for i in range(iters + 5):
+            started = time.perf_counter()
+            comm.exchange_counts(counts, tag="counts")
+            if i >= 5:
+                count_times.append(time.perf_counter() - started)
+        medians["counts"] = statistics.median(count_times) * 1e6
+        log(f"exchange_counts: median {medians['counts']:.0f} us")
+        for rows in (1, 64, 1024):
+            send = torch.randn(rows, hidden, device=device).to(torch.bfloat16)
+            if not torch.equal(comm.exchange_payload(send, [rows], [rows], tag="check"), send):
+                problems.append(f"{rows} rows: round trip differs")
+            times = []
+            for i in range(iters + 5):  # exchange_payload returns once the transfer is complete
+                started = time.perf_counter()
+                comm.exchange_payload(send, [rows], [rows], tag=f"latency {rows}")
+                if i >= 5:
+                    times.append(time.perf_counter() - started)
+            medians[rows] = statistics.median(times) * 1e6
+            megabytes = rows * hidden * 2 / 1e6
+            log(f"exchange_payload {rows:5d} rows ({megabytes:.2f} MB): median {medians[rows]:.0f} us, "
+                f"p90 {sorted(times)[int(0.9 * len(times))] * 1e6:.0f} us, "
+                f"{megabytes / medians[rows]:.2f} GB/s")
+    finally:
+        comm.close()
+    details = {"median_us": {str(k): v for k, v in medians.items()}, "iters": iters, "hidden": hidden}
+    summary = ", ".join(f"{k} rows {v:.0f} us" for k, v in medians.items() if k != "counts")
+    if problems:
+        return result("FAIL", "; ".join(problems), **details)
+    return result("PASS", f"median {summary} (counts {medians['counts']:.0f} us)", **details)
+
+
+CHECK_FUNCTIONS = {
+    "a": check_versions, "b": check_pytest, "c": check_engine_logits, "d": check_grouped_gemm,
+    "e": check_combine_determinism, "f": check_host_syncs, "g": check_comm_abort, "h": check_comm_latency,
+}
+
+
+# ---- the parent: one process per check, budgets, summary, JSON ------------------------------
+def run_child(key: str, smoke: bool, result_file: str, budget_s: float) -> int:
+    started = time.perf_counter()
+    try:
+        outcome = CHECK_FUNCTIONS[key](smoke, budget_s)
+    except Exception as error:
+        traceback.print_exc()
+        outcome = result("FAIL", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300])
+    outcome["seconds_in_check"] = time.perf_counter() - started
+    Path(result_file).write_text(json.dumps(outcome, default=str))
+    return 0
+
+
+def cuda_state() -> tuple[bool, str]:
+    import torch
+
+    if torch.cuda.is_available():
+        return True, ""
+    if torch.version.cuda is None:
+        return False, f"no CUDA: torch {torch.__version__} is a CPU-only build"
+    return False, f"no CUDA device: torch {torch.__version__} (CUDA {torch.version.cuda}) sees none"
+
+
+def run_check(check: Check, smoke: bool, budget_s: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = os.path.join(tmp, "result.json")
+        command = [sys.executable, str(Path(__file__).resolve()), "--child", check.key, "--result-file", result_file,
+                   "--budget", str(budget_s)] + (["--cpu-smoke"] if smoke else [])
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+               "TOKENIZERS_PARALLELISM": "false"}
+        output, code = run_process(command, env, budget_s)
+        for line in output.rstrip().splitlines():
+            print("    " + line)
+        if code is None:
+            return result("FAIL", f"over its budget of {budget_s:.0f} s (killed)", output_tail=output[-2000:])
+        try:
+            return json.loads(Path(result_file).read_text())
+        except (OSError, ValueError):
+            return result("FAIL", f"its process ended with status {code} and no result", output_tail=output[-2000:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated check letters (default: all)")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="run the CUDA checks' code on the CPU at small shapes (tests this script)")
+    parser.add_argument("--json", help="where to write the JSON summary")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--result-file", help=argparse.SUPPRESS)
+    parser.add_argument("--budget", type=float, default=60.0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return run_child(args.child, args.cpu_smoke, args.result_file, args.budget)
+
+    selected = [c for c in CHECKS if not args.only or c.key in args.only.replace(" ", "").split(",")]
+    has_cuda, no_cuda_reason = cuda_state()
+    started = time.perf_counter()
+    deadline = started + TOTAL_BUDGET_S
+    log(f"raymoe gpu_check: {len(selected)} checks, budget {TOTAL_BUDGET_S} s in all"
+        + (" (--cpu-smoke: CUDA checks on the CPU, nothing about GPUs is measured)" if args.cpu_smoke else ""))
+    records = []
+    for check in selected:
+        check_started = time.perf_counter()
+        left = deadline - check_started - RESERVE_S
+        log(f"\n[{check.key}] {check.title}  (budget {min(check.budget_s, max(left, 0)):.0f} s)")
+        if check.needs_cuda and not has_cuda and not args.cpu_smoke:
+            outcome = result("SKIP", no_cuda_reason)
+        elif left < 5:
+            outcome = result("FAIL", "not run: the run's total budget is spent")
+        else:
+            outcome = run_check(check, args.cpu_smoke, min(check.budget_s, left))
+        outcome.update(key=check.key, title=check.title, seconds=round(time.perf_counter() - check_started, 2),
+                       budget_s=check.budget_s)
+        records.append(outcome)
+        log(f"{outcome['status']:<4}  {check.key} {check.title}: {outcome['summary']}  ({outcome['seconds']:.1f} s)")
+
+    failed = [r for r in records if r["status"] == "FAIL"]
+    width = max(len(r["title"]) for r in records) if records else 10
+    log("\n==== summary " + "=" * 70)
+    log(f"{'check':<{width + 4}} {'status':<6} {'s':>6}  summary")
+    for r in records:
+        text = r["summary"] if len(r["summary"]) <= 110 else r["summary"][:107] + "..."
+        log(f"{r['key']} {r['title']:<{width + 2}} {r['status']:<6} {r['seconds']:>6.1f}  {text}")
+    total = time.perf_counter() - started
+    verdict = f"{len(failed)} FAILED" if failed else "no failures"
+    log(f"{verdict}; " + ", ".join(f"{sum(r['status'] == s for r in records)} {s}" for s in
+                                   ("PASS", "FAIL", "SKIP", "INFO")) + f"; {total:.1f} s")
+
+    out_path = Path(args.json) if args.json else (
+        Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT")
+        else REPO / "benchmarks" / "results" / "gpu_check.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    summary = {"cpu_smoke": args.cpu_smoke, "has_cuda": has_cuda, "seconds": round(total, 2),
+               "exit_status": 1 if failed else 0, "checks": records}
+    out_path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    log(f"JSON summary: {out_path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
