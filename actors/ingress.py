@@ -3,8 +3,10 @@
 The ingress owns the deployment it serves: its constructor starts the expert workers and
 routers a cluster config describes (cluster/deploy.py), so they live and die with it. Per
 request it validates and tokenizes the body (engine/completions.py; nothing malformed
-reaches a router), picks the router with the fewest requests in flight, and relays the
-router's token stream, as Server-Sent Events when asked.
+reaches a router), picks the router with the fewest requests in flight, submits it there,
+and relays its tokens, as Server-Sent Events when asked. Tokens come back through one
+subscription per router (``Router.subscribe``): one Ray item per router step carries every
+delta of this replica's requests, and a task per router hands each delta to its request.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures'
@@ -39,6 +41,14 @@ from raymoe.engine.tokenizer import Tokenizer
 HEALTH_TIMEOUT_S = 5.0
 RETRY_AFTER_S = 1
 ROUTER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+class RouterLost(Exception):
+    """Put in a request's queue (and raised there) when the subscription of its router broke."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
 
 app = FastAPI(title="raymoe", description="OpenAI-compatible MoE serving with expert parallelism on Ray")
 
@@ -83,6 +93,11 @@ class OpenAIIngress:
         self.admission_limit = self.config.engine.max_num_seqs + self.config.serve.max_queued_per_router
         self.created = int(time.time())
         self._ids = itertools.count()
+        # One subscription per router carries every delta of this replica's requests, one
+        # Ray item per step (not one per token per request); a task per router reads it.
+        self.subscriber = new_id("ingress")
+        self._waiting: dict[str, tuple[int, asyncio.Queue]] = {}  # request id -> (router, its deltas)
+        self._subscriptions: dict[int, asyncio.Task] = {}
 
     # ---- OpenAI routes -----------------------------------------------------------------
     @app.post("/v1/completions")
@@ -195,6 +210,32 @@ class OpenAIIngress:
         self.in_flight[router] += 1
         return router
 
+    def _subscribe(self, router: int) -> None:
+        task = self._subscriptions.get(router)
+        if task is None or task.done():
+            self._subscriptions[router] = asyncio.get_running_loop().create_task(self._read_subscription(router))
+
+    async def _read_subscription(self, router: int) -> None:
+        """Read ``router``'s per-step batches and hand each delta to its request. If the router
+        is lost, every request waiting on it hears so; the next request subscribes again."""
+        handle = self.deployment.routers[router]
+        try:
+            async for ref in handle.subscribe.options(num_returns="streaming").remote(self.subscriber):
+                for item in await ref:
+                    entry = self._waiting.get(item.request_id)
+                    if entry is not None:
+                        entry[1].put_nowait(item)
+            lost: BaseException = RuntimeError("the router closed its stream")
+        except ROUTER_LOST as error:
+            lost = error
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # keep serving: the requests on this router fail over like on a loss
+            lost = error
+        for entry in list(self._waiting.values()):
+            if entry[0] == router:
+                entry[1].put_nowait(RouterLost(lost))
+
     async def _deltas(self, prepared: PreparedRequest, request_id: str, arrived: float,
                       label: str) -> AsyncIterator[RequestOutput | StepFailure]:
         """The router's token deltas folded into a growing RequestOutput (or a StepFailure).
@@ -209,11 +250,16 @@ class OpenAIIngress:
         try:
             while True:
                 tokens, logprobs, tops, last = [], [], [], None
-                stream = self.deployment.routers[router].stream.options(num_returns="streaming").remote(
-                    request_id, prepared.prompt_ids, prepared.params)
+                deltas: asyncio.Queue = asyncio.Queue()
+                self._waiting[request_id] = (router, deltas)
                 try:
-                    async for ref in stream:
-                        item = await ref
+                    self._subscribe(router)
+                    await self.deployment.routers[router].submit.remote(
+                        self.subscriber, request_id, prepared.prompt_ids, prepared.params)
+                    while True:
+                        item = await deltas.get()
+                        if isinstance(item, RouterLost):
+                            raise item
                         if isinstance(item, StepFailure):
                             status = "503"
                             yield item
@@ -232,13 +278,15 @@ class OpenAIIngress:
                         yield RequestOutput(request_id, item.token_ids, item.logprobs, item.finished,
                                             item.finish_reason, item.num_prompt_tokens, tokens, logprobs, tops,
                                             item.stop_text_index)
-                    return
-                except ROUTER_LOST as error:
+                        if item.finished:
+                            return
+                except (*ROUTER_LOST, RouterLost) as error:
                     failed.add(router)
                     if (prepared.stream and tokens) or len(failed) > len(self.in_flight):
                         status = "503"
                         yield StepFailure(request_id, f"the router serving this request was lost after "
-                                                      f"{len(tokens)} streamed tokens: {type(error).__name__}")
+                                                      f"{len(tokens)} streamed tokens: "
+                                                      f"{type(getattr(error, 'cause', error)).__name__}")
                         return
                     self.in_flight[router] -= 1
                     router = self._pick_router(failed)  # nothing reached the client: start over elsewhere
@@ -247,6 +295,7 @@ class OpenAIIngress:
             self.deployment.routers[router].abort.remote(request_id)
             raise
         finally:
+            self._waiting.pop(request_id, None)
             self.in_flight[router] -= 1
             self.metrics.requests.labels(label, status).inc()
             self.metrics.e2e.observe(time.perf_counter() - arrived)

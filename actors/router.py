@@ -45,6 +45,7 @@ IDLE_MAX_S = 0.016
 TICK_ROUNDS = 32
 TICK_S = 0.5
 NOT_JOINED_WAIT_S = 0.05
+IDLE_SUBSCRIBER_WAIT_S = 1.0  # a subscriber stream re-checks for shutdown this often
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,9 @@ class Router:
         self.experts.set_placement(self.placement)  # index tables on the engine's device
         self._lock = threading.Lock()  # guards the engine: steps, adds, aborts, scoring
         self._work = threading.Condition(self._lock)
-        self._queues: dict[str, queue.Queue] = {}
+        # request id -> (where its deltas go, whether that is a subscriber's per-step batch queue)
+        self._queues: dict[str, tuple[queue.Queue, bool]] = {}
+        self._subscribers: dict[str, queue.Queue] = {}
         self._score_jobs: list[ScoreJob] = []
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -205,8 +208,8 @@ class Router:
                 continue
             if failure is not None:
                 self._recover(failure)
-            for output in outputs:
-                self._deliver(output)
+            if outputs:
+                self._deliver([self._delta(output) for output in outputs])
 
     def _group_step(self, has_work: bool) -> list[RequestOutput]:
         """This router's share of one group step (engine lock held): a scoring job, an engine
@@ -248,34 +251,38 @@ class Router:
             with self._work:
                 self._fail_all(f"{type(failure).__name__}: {failure}; recovery failed: {type(error).__name__}: {error}")
 
-    def _deliver(self, output: RequestOutput) -> None:
-        target = self._queues.get(output.request_id)
-        if target is None:
-            return
-        target.put(TokenDelta(
+    @staticmethod
+    def _delta(output: RequestOutput) -> TokenDelta:
+        return TokenDelta(
             output.request_id, output.new_token_ids, output.new_logprobs,
             output.output_top_logprobs[-len(output.new_token_ids):], output.finished,
             output.finish_reason, output.stop_text_index, output.num_prompt_tokens,
-        ))
+        )
+
+    def _deliver(self, items: list[TokenDelta | StepFailure]) -> None:
+        """Hand one step's items to their requests: a per-request queue gets each item, a
+        subscriber gets all of its requests' items of the step as one batch."""
+        batches: dict[int, tuple[queue.Queue, list]] = {}
+        for item in items:
+            entry = self._queues.get(item.request_id)
+            if entry is None:
+                continue
+            target, batched = entry
+            if not batched:
+                target.put(item)
+                continue
+            batches.setdefault(id(target), (target, []))[1].append(item)
+            if isinstance(item, StepFailure) or item.finished:
+                self._queues.pop(item.request_id, None)
+        for target, batch in batches.values():
+            target.put(batch)
 
     def _fail_all(self, message: str) -> None:
         for request_id in list(self._queues):
             self.engine.abort_request(request_id)
-            self._queues[request_id].put(StepFailure(request_id, message))
+        self._deliver([StepFailure(request_id, message) for request_id in list(self._queues)])
 
     # ---- requests ---------------------------------------------------------------------
-    def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Iterator[Any]:
-        """Add a request and yield its :class:`TokenDelta` items as steps produce them."""
-        target = self._submit(request_id, prompt_ids, params)
-        try:
-            while True:
-                item = target.get()
-                yield item
-                if isinstance(item, StepFailure) or item.finished:
-                    return
-        finally:
-            self._forget(request_id)
-
     def generate(self, requests: list[tuple[str, list[int], SamplingParams]]) -> list[RequestOutput | StepFailure]:
         """Run ``requests`` to completion (batched with everything else in flight)."""
         targets = [self._submit(*request) for request in requests]
@@ -304,13 +311,40 @@ class Router:
             self.engine.abort_request(request_id)
         self._forget(request_id)
 
-    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> queue.Queue:
-        target: queue.Queue = queue.Queue()
+    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                target: queue.Queue | None = None) -> queue.Queue:
+        batched = target is not None
+        target = queue.Queue() if target is None else target
         with self._work:
             self.engine.add_request(request_id, prompt_ids, params)
-            self._queues[request_id] = target
+            self._queues[request_id] = (target, batched)
             self._work.notify()
         return target
+
+    # ---- subscribers: one stream per caller (an ingress replica), one item per step ----
+    def submit(self, subscriber: str, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Add a request whose deltas go to ``subscriber``'s stream (see :meth:`subscribe`)."""
+        self._submit(request_id, prompt_ids, params, self._subscriber_queue(subscriber))
+
+    def subscribe(self, subscriber: str) -> Iterator[list[TokenDelta | StepFailure]]:
+        """Every delta of ``subscriber``'s requests, one list per step (all of them at once
+        when the caller fell behind): one streamed item per step, however many requests."""
+        target = self._subscriber_queue(subscriber)
+        while not self._stopped:
+            try:
+                batch = target.get(timeout=IDLE_SUBSCRIBER_WAIT_S)
+            except queue.Empty:
+                continue
+            while True:
+                try:
+                    batch += target.get_nowait()
+                except queue.Empty:
+                    break
+            yield batch
+
+    def _subscriber_queue(self, subscriber: str) -> queue.Queue:
+        with self._lock:
+            return self._subscribers.setdefault(subscriber, queue.Queue())
 
     def _forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
