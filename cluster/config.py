@@ -141,8 +141,15 @@ class EngineSection(_Section):
     kv_cache_bytes: Positive = 512 * 2**20
 
 
+class IngressMode(enum.Enum):
+    AUTO = "auto"  # direct when `raymoe serve` starts its own Ray, proxy on an existing cluster
+    DIRECT = "direct"  # the ingress replica serves HTTP itself (Ray Serve's direct ingress)
+    PROXY = "proxy"  # Ray Serve's HTTP proxy in front of the replica
+
+
 class ServeSection(_Section):
     host: str = "127.0.0.1"  # loopback unless you mean to expose the endpoint
+    ingress: IngressMode = IngressMode.AUTO
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8000
     max_body_bytes: Positive = 1 << 20  # larger request bodies get 413
     max_queued_per_router: Annotated[int, msgspec.Meta(ge=0)] = 256  # beyond max_num_seqs + this: 503

@@ -18,7 +18,8 @@ import urllib.request
 
 import msgspec
 
-from raymoe.cluster.config import ClusterConfig, ConfigError, load_cluster_config, parse_cluster_config
+from raymoe.cluster.config import ClusterConfig, ConfigError, IngressMode, load_cluster_config, parse_cluster_config
+from raymoe.kernels.comm.factory import free_port
 
 READY_TIMEOUT_S = 900
 
@@ -60,13 +61,14 @@ def _run(args: argparse.Namespace) -> int:
         port=args.port or config.serve.port,
     )
     config = msgspec.structs.replace(config, serve=serve_section)
+    started_ray = not _ray_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
+    direct = _direct_ingress(config, started_ray)
     import ray
     from ray import serve
 
     from raymoe.actors.ingress import OpenAIIngress
     from raymoe.cluster.deploy import ensure_ray
 
-    started_ray = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -75,14 +77,20 @@ def _run(args: argparse.Namespace) -> int:
         ensure_ray(args.address)
         print(f"raymoe serve: starting {config.routers} routers and {config.expert_workers} expert workers "
               f"for {config.model}", file=sys.stderr)
-        serve.start(http_options={"host": config.serve.host, "port": config.serve.port})
+        # Direct ingress: the replica listens on serve.port itself; Serve still starts its
+        # proxy, which then gets a free loopback port of its own that nothing uses.
+        proxy_port = free_port(config.serve.host) if direct else config.serve.port
+        serve.start(http_options={"host": config.serve.host, "port": proxy_port})
         admin_token = os.environ.get("RAYMOE_ADMIN_TOKEN")
         serve.run(OpenAIIngress.bind(config.to_dict(), admin_token), name="raymoe", route_prefix="/")
         if not _wait_healthy(url, stop):
             if stop.is_set():
                 print("raymoe serve: interrupted before the endpoint was ready; shutting down", file=sys.stderr)
                 return 0
-            print(f"raymoe serve: the endpoint did not become healthy in {READY_TIMEOUT_S} s", file=sys.stderr)
+            hint = (" (serve.ingress: direct on an existing cluster needs every node started with "
+                    "RAY_SERVE_ENABLE_DIRECT_INGRESS=1 and the port range of docs/DEPLOY.md; or use serve.ingress: proxy)"
+                    if direct and not started_ray else "")
+            print(f"raymoe serve: the endpoint did not become healthy in {READY_TIMEOUT_S} s{hint}", file=sys.stderr)
             return 1
         print(f"raymoe serve: ready at {url}/v1 (OpenAI API; health at {url}/health, metrics at {url}/metrics)",
               flush=True)
@@ -95,6 +103,34 @@ def _run(args: argparse.Namespace) -> int:
         finally:
             if started_ray:
                 ray.shutdown()
+
+
+def _ray_initialized() -> bool:
+    import ray
+
+    return ray.is_initialized()
+
+
+def _direct_ingress(config: ClusterConfig, started_ray: bool) -> bool:
+    """Whether the ingress replica serves HTTP itself (no proxy hop: ~20% more tokens/s at 32
+    streams on 2 cores, docs/BENCHMARKS.md). Ray Serve reads this from the environment of its
+    controller and replicas, so it is set here, before this process starts a local Ray; on an
+    existing cluster the nodes must have been started with it (docs/DEPLOY.md)."""
+    mode = config.serve.ingress
+    direct = mode is IngressMode.DIRECT or (mode is IngressMode.AUTO and started_ray)
+    if direct and started_ray:
+        port = config.serve.port
+        os.environ.update({
+            "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(free_port(config.serve.host)),
+            "RAY_SERVE_DIRECT_INGRESS_PORT_RETRY_COUNT": "3",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",  # no load balancer to drain from
+        })
+        os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"] = str(
+            int(os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"]) + 1)
+    return direct
 
 
 def _wait_healthy(url: str, stop: threading.Event) -> bool:

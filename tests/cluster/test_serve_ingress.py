@@ -1,0 +1,48 @@
+"""serve.ingress: which HTTP path `raymoe serve` sets up, and what it tells Ray Serve.
+
+End to end, every test under tests/serve runs through the default (`auto`, a local Ray:
+direct ingress); here the choice itself, for each mode and both kinds of Ray.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from raymoe.cluster.config import IngressMode, parse_cluster_config
+from raymoe.cluster.serve_cli import _direct_ingress
+
+DIRECT_VARS = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
+               "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("RAY_SERVE_DIRECT_INGRESS") or name == "RAY_SERVE_ENABLE_DIRECT_INGRESS":
+            monkeypatch.delenv(name)
+    yield
+
+
+@pytest.mark.parametrize("mode, started_ray, direct", [
+    ("auto", True, True), ("auto", False, False),
+    ("direct", True, True), ("direct", False, True),
+    ("proxy", True, False), ("proxy", False, False),
+])
+def test_mode_decides_the_path(clean_env, mode, started_ray, direct):
+    config = parse_cluster_config({"model": "/m", "serve": {"ingress": mode, "port": 8321}})
+    assert config.serve.ingress is IngressMode(mode)
+    assert _direct_ingress(config, started_ray) is direct
+    if direct and started_ray:  # the replica, not the proxy, binds serve.port; nothing to drain from
+        assert os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+        assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8321"
+        assert os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8322"
+        assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "0"
+    else:  # an existing cluster's Serve reads its own environment: nothing is set here
+        assert not any(name in os.environ for name in DIRECT_VARS)
+
+
+def test_unknown_mode_is_refused_naming_the_field():
+    with pytest.raises(Exception, match="serve.ingress"):
+        parse_cluster_config({"model": "/m", "serve": {"ingress": "haproxy"}})
