@@ -1,0 +1,505 @@
+"""`raymoe serve` against `vllm serve` (vLLM's CPU build), same checkpoint, same client.
+
+Both servers get the same load from vLLM's own client, ``vllm bench serve`` (OpenAI
+``/v1/completions``, streaming): the random dataset, 32 prompt tokens and 64 output tokens
+per request (EOS ignored, temperature 0 sent explicitly: this client no longer does by
+default), ``--num-prompts`` requests at each ``--max-concurrency`` C in ``--concurrency``
+(default 1 and 32). The checkpoint is a random-weight Mixtral (hidden 256,
+4 layers, 8 experts, top-2, intermediate 512, vocab 512, float32: benchmarks/common.py's,
+the same model as the other end-to-end benchmarks), written once and reused.
+
+- vLLM: ``VLLM_CPU_KVCACHE_SPACE=1 vllm serve CKPT --dtype float32 --max-model-len 512``
+  from its own virtualenv (``--vllm-venv``, default /work/vllm-venv; build it with
+  shared/tools/vllm-cpu-venv). vLLM is never a dependency of raymoe.
+- raymoe: ``raymoe serve CONFIG`` for each ``--configs`` entry: ``RxW`` means R routers and
+  W expert workers (a cluster config written to a temporary directory: the checkpoint,
+  device cpu, dtype float32, every other field at its default), or a path to a cluster
+  config YAML used as it is. Each gets a local Ray of its own (its own RAY_TMPDIR), and
+  ``--raymoe-python`` picks the interpreter, e.g. a virtualenv holding another checkout.
+
+Servers run one at a time, on 127.0.0.1 only, each started as its own process group and
+stopped by its PID (SIGINT, then SIGTERM, then SIGKILL to that group); every wait is bounded.
+Prints output tokens/s, ITL P50 and TTFT P50 per server and concurrency, and the ratios
+the issue asks for (raymoe 1x1 / vLLM tok/s at C=32 >= 0.8, raymoe 1x1 / vLLM ITL P50 at
+C=1 <= 1.5, raymoe 2x4 / raymoe 1x1 tok/s at C=32 >= 0.5); writes all figures as JSON
+(``--out``) and a bar chart beside it (same name, .png). With vLLM skipped, its rows are
+carried over from an existing ``--out`` file (marked ``reused``), so raymoe alone can be
+re-measured against the last vLLM run.
+
+    python benchmarks/bench_vs_vllm.py                       # vLLM, raymoe 1x1 and 2x4
+    python benchmarks/bench_vs_vllm.py --num-prompts 16      # a quick check
+    python benchmarks/bench_vs_vllm.py --raymoe-only 1x1     # raymoe 1x1 vs the last vLLM run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Iterator
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_OUT = os.path.join(HERE, "results", "bench_vs_vllm.json")
+DEFAULT_CKPT = os.path.join(os.environ.get("RAYMOE_CACHE") or os.path.expanduser("~/.cache/raymoe"),
+                            "bench-mixtral-h256-l4-e8")
+VLLM = "vllm"
+
+# The issue's targets: (name, numerator (server, C, metric), denominator, comparison, target).
+RATIOS = [
+    ("raymoe 1x1 / vLLM output tok/s at C=32", ("raymoe 1x1", 32, "output_tok_s"), (VLLM, 32, "output_tok_s"),
+     ">=", 0.8),
+    ("raymoe 1x1 / vLLM ITL P50 at C=1", ("raymoe 1x1", 1, "itl_p50_ms"), (VLLM, 1, "itl_p50_ms"), "<=", 1.5),
+    ("raymoe 2x4 / raymoe 1x1 output tok/s at C=32", ("raymoe 2x4", 32, "output_tok_s"),
+     ("raymoe 1x1", 32, "output_tok_s"), ">=", 0.5),
+    # No target: the same comparison as the ITL ratio, but robust to a server (or a starved
+    # client) delivering several tokens in one burst, which drives ITL P50 towards 0.
+    ("raymoe 1x1 / vLLM E2E latency P50 at C=1", ("raymoe 1x1", 1, "e2el_p50_ms"), (VLLM, 1, "e2el_p50_ms"),
+     None, None),
+]
+# An ITL P50 below this means tokens arrived in bursts (several per network read), not one per step.
+BURST_ITL_MS = 0.1
+
+
+def log(message: str) -> None:
+    print(f"[bench_vs_vllm {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --- the checkpoint -----------------------------------------------------------------------
+
+def ensure_checkpoint(path: str) -> str:
+    """The random Mixtral at ``path``, written with benchmarks/common.py's writer if missing."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        log(f"reusing the checkpoint at {path}")
+        return path
+    log(f"writing a random Mixtral (hidden 256, 4 layers, 8 experts, top-2, float32) to {path}")
+    sys.path.insert(0, HERE)
+    from common import build_mixtral
+
+    tmp = path + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_mixtral(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path
+
+
+def checkpoint_summary(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, "config.json")) as handle:
+        config = json.load(handle)
+    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "num_local_experts", "num_experts_per_tok", "vocab_size")
+    return {"path": path} | {key: config.get(key) for key in keys}
+
+
+# --- server processes ---------------------------------------------------------------------
+
+class Server:
+    """A server started as its own process group; output to ``log_path``; stopped by its PID."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log_path: str):
+        self.name, self.argv, self.env, self.port, self.log_path = name, argv, env, port, log_path
+        # Run from the log's folder, not the caller's: `python -m` puts the working directory
+        # first on sys.path, and a checkout's raymoe/ there would shadow the installed package.
+        self.cwd = os.path.dirname(log_path)
+        self.url = f"http://127.0.0.1:{port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log(f"{self.name}: {' '.join(self.argv)}  (log: {self.log_path})")
+        with open(self.log_path, "ab") as output:
+            self.process = subprocess.Popen(self.argv, env=self.env, stdout=output, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.cwd)
+
+    def wait_ready(self, timeout_s: float) -> str:
+        """Poll GET /v1/models until it lists a model; returns the first model id."""
+        assert self.process is not None
+        started = time.monotonic()
+        deadline = started + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode} before it was ready; "
+                                   f"last lines of {self.log_path}:\n{tail(self.log_path)}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as response:
+                    models = json.loads(response.read()).get("data") or []
+                    if response.status == 200 and models:
+                        log(f"{self.name}: ready after {time.monotonic() - started:.1f} s, model {models[0]['id']!r}")
+                        return models[0]["id"]
+            except (OSError, ValueError, urllib.error.URLError):
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.name} was not ready within {timeout_s:.0f} s; last lines of {self.log_path}:\n"
+                           f"{tail(self.log_path)}")
+
+    def stop(self, grace_s: float = 90.0) -> None:
+        """SIGINT to the PID, then SIGTERM and SIGKILL to its process group, each wait bounded."""
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None:
+            for signum, target, wait_s in ((signal.SIGINT, "pid", grace_s), (signal.SIGTERM, "group", 30.0),
+                                           (signal.SIGKILL, "group", 15.0)):
+                try:
+                    if target == "pid":
+                        os.kill(process.pid, signum)
+                    else:
+                        os.killpg(process.pid, signum)
+                except ProcessLookupError:
+                    break
+                try:
+                    process.wait(wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    log(f"{self.name}: still running {wait_s:.0f} s after {signal.Signals(signum).name}")
+        # Whatever the server left behind in its own group (engine processes, Ray daemons) gets
+        # a few seconds to exit on its own, then SIGKILL.
+        deadline = time.monotonic() + 15.0
+        while group_alive(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if group_alive(process.pid):
+            log(f"{self.name}: processes left in group {process.pid} after it exited; SIGKILL to the group")
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+        log(f"{self.name}: stopped (exit code {process.returncode})")
+        self.process = None
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def tail(path: str, lines: int = 30) -> str:
+    try:
+        with open(path, errors="replace") as handle:
+            return "".join(handle.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def running(server: Server, ready_timeout_s: float) -> Iterator[str]:
+    try:
+        server.start()
+        yield server.wait_ready(ready_timeout_s)
+    finally:
+        server.stop()
+
+
+# --- the load: vllm bench serve ----------------------------------------------------------
+
+def bench_serve(vllm_bin: str, url: str, model: str, checkpoint: str, concurrency: int, args: argparse.Namespace,
+                result_dir: str, label: str) -> dict[str, Any]:
+    """One ``vllm bench serve`` run; returns its result JSON (per-request lists dropped)."""
+    filename = f"{re.sub(r'[^A-Za-z0-9]+', '_', label)}_c{concurrency}.json"
+    argv = [vllm_bin, "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+            "--model", model, "--tokenizer", checkpoint, "--dataset-name", "random",
+            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+            "--num-prompts", str(args.num_prompts), "--ignore-eos", "--temperature", str(args.temperature), "--max-concurrency", str(concurrency),
+            "--seed", str(args.seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--disable-tqdm", "--save-result", "--result-dir", result_dir, "--result-filename", filename]
+    log(f"{label} C={concurrency}: {' '.join(argv)}")
+    env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+    started = time.monotonic()
+    # The client is its own process group too, so that a timeout ends it and whatever it spawned.
+    with open(os.path.join(result_dir, filename + ".log"), "wb") as output:
+        client = subprocess.Popen(argv, env=env, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  start_new_session=True, cwd=result_dir)
+        try:
+            client.wait(args.timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{label} C={concurrency}: vllm bench serve ran past --timeout {args.timeout} s")
+        finally:
+            if client.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(client.pid, signal.SIGKILL)
+                client.wait(15)
+    if client.returncode != 0:
+        raise RuntimeError(f"{label} C={concurrency}: vllm bench serve exited with {client.returncode}:\n"
+                           f"{tail(os.path.join(result_dir, filename + '.log'))}")
+    with open(os.path.join(result_dir, filename)) as handle:
+        raw = json.load(handle)
+    raw = {key: value for key, value in raw.items() if not isinstance(value, list)}
+    row = {
+        "server": label, "concurrency": concurrency, "wall_s": time.monotonic() - started,
+        "completed": raw.get("completed"), "failed": raw.get("failed", 0),
+        "output_tok_s": raw.get("output_throughput"), "itl_p50_ms": raw.get("median_itl_ms"),
+        "itl_p99_ms": raw.get("p99_itl_ms"), "ttft_p50_ms": raw.get("median_ttft_ms"),
+        "ttft_p99_ms": raw.get("p99_ttft_ms"), "tpot_p50_ms": raw.get("median_tpot_ms"),
+        "e2el_p50_ms": raw.get("median_e2el_ms"), "raw": raw,
+    }
+    log(f"{label} C={concurrency}: {row['completed']} done, {row['failed']} failed, {row['output_tok_s']:.1f} tok/s, "
+        f"ITL P50 {row['itl_p50_ms']:.1f} ms, TTFT P50 {row['ttft_p50_ms']:.1f} ms ({row['wall_s']:.0f} s)")
+    if row["failed"]:
+        log(f"{label} C={concurrency}: {row['failed']} requests failed, see {filename}.log")
+    return row
+
+
+# --- the two servers ----------------------------------------------------------------------
+
+def run_vllm(args: argparse.Namespace, checkpoint: str, work: str) -> list[dict[str, Any]]:
+    vllm_bin = os.path.join(args.vllm_venv, "bin", "vllm")
+    port = free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    server = Server(VLLM, [vllm_bin, "serve", checkpoint, "--dtype", "float32", "--max-model-len", "512",
+                           "--host", "127.0.0.1", "--port", str(port)], env, port, os.path.join(work, "vllm-serve.log"))
+    rows = []
+    with running(server, args.startup_timeout) as model:
+        for concurrency in args.concurrency:
+            rows.append(bench_serve(vllm_bin, server.url, model, checkpoint, concurrency, args, work, VLLM))
+    return rows
+
+
+CLUSTER_YAML = """\
+model: {model}
+device: cpu
+dtype: float32
+routers: {routers}
+expert_workers: {workers}
+serve:
+  host: 127.0.0.1
+  port: {port}
+"""
+
+
+def raymoe_config(spec: str, checkpoint: str, work: str, port: int) -> tuple[str, str]:
+    """(label, YAML path) for ``RxW`` (written here) or a cluster config path (used as it is)."""
+    match = re.fullmatch(r"(\d+)x(\d+)", spec)
+    if not match:
+        if not os.path.isfile(spec):
+            raise SystemExit(f"--configs: {spec!r} is neither RxW (routers x expert workers) nor a YAML file")
+        return f"raymoe {os.path.splitext(os.path.basename(spec))[0]}", os.path.abspath(spec)
+    path = os.path.join(work, f"raymoe-{spec}.yaml")
+    with open(path, "w") as handle:
+        handle.write(CLUSTER_YAML.format(model=checkpoint, routers=match[1], workers=match[2], port=port))
+    return f"raymoe {spec}", path
+
+
+def run_raymoe(spec: str, args: argparse.Namespace, checkpoint: str, work: str) -> list[dict[str, Any]]:
+    vllm_bin = os.path.join(args.vllm_venv, "bin", "vllm")
+    port = free_port()
+    label, config = raymoe_config(spec, checkpoint, work, port)
+    # A local Ray of its own, stopped with the server: no RAY_ADDRESS, and a Ray temp dir of
+    # its own, or ray.init() joins whatever cluster `ray start` last recorded in
+    # /tmp/ray/ray_current_cluster on this machine (short path: Ray's socket paths must fit 107 bytes).
+    ray_tmp = tempfile.mkdtemp(prefix="bvv-ray-", dir="/tmp")
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_TMPDIR=ray_tmp)
+    env.pop("RAY_ADDRESS", None)
+    argv = [args.raymoe_python, "-m", "raymoe.cluster.cli", "serve", config, "--host", "127.0.0.1", "--port", str(port)]
+    server = Server(label, argv, env, port, os.path.join(work, f"{label.replace(' ', '-')}-serve.log"))
+    rows = []
+    try:
+        with running(server, args.startup_timeout) as model:
+            for concurrency in args.concurrency:
+                rows.append(bench_serve(vllm_bin, server.url, model, checkpoint, concurrency, args, work, label))
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    return rows
+
+
+# --- report -------------------------------------------------------------------------------
+
+def find(rows: list[dict[str, Any]], server: str, concurrency: int, metric: str) -> float | None:
+    for row in rows:
+        if row["server"] == server and row["concurrency"] == concurrency and row.get(metric) is not None:
+            return float(row[metric])
+    return None
+
+
+def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for name, num, den, op, target in RATIOS:
+        a, b = find(rows, *num), find(rows, *den)
+        value = a / b if a is not None and b else None
+        met = None if value is None or op is None else (value >= target if op == ">=" else value <= target)
+        note = None
+        if num[2] == "itl_p50_ms" and any(x is not None and x < BURST_ITL_MS for x in (a, b)):
+            note = (f"an ITL P50 < {BURST_ITL_MS} ms: that server's tokens arrived in bursts, so this ratio "
+                    "is not meaningful; see the E2E latency ratio")
+        out.append({"name": name, "value": value, "target": None if op is None else f"{op} {target}", "met": met,
+                    "note": note})
+    return out
+
+
+def print_table(rows: list[dict[str, Any]], ratio_rows: list[dict[str, Any]]) -> None:
+    print(f"{'server':<14} {'C':>3} {'done':>5} {'output tok/s':>13} {'ITL P50 ms':>11} {'TTFT P50 ms':>12}"
+          f" {'ITL P99 ms':>11} {'TTFT P99 ms':>12} {'E2EL P50 ms':>12}")
+    for row in rows:
+        note = "  (reused)" if row.get("reused") else ""
+        print(f"{row['server']:<14} {row['concurrency']:>3} {row['completed']:>5} {row['output_tok_s']:>13.1f} "
+              f"{row['itl_p50_ms']:>11.2f} {row['ttft_p50_ms']:>12.1f} {row['itl_p99_ms']:>11.1f} "
+              f"{row['ttft_p99_ms']:>12.1f} {row.get('e2el_p50_ms') or float('nan'):>12.1f}{note}")
+    print()
+    for ratio in ratio_rows:
+        value = "n/a (not measured)" if ratio["value"] is None else f"{ratio['value']:.2f}"
+        verdict = "" if ratio["met"] is None else ("  met" if ratio["met"] else "  NOT met")
+        target = f"  (target {ratio['target']})" if ratio["target"] else "  (no target)"
+        print(f"{ratio['name']:<46} {value:>8}{target}{verdict}")
+        if ratio["note"]:
+            print(f"    note: {ratio['note']}")
+
+
+def write_plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    servers = list(dict.fromkeys(row["server"] for row in rows))
+    concurrencies = sorted({row["concurrency"] for row in rows})
+    metrics = [("output_tok_s", "output tokens/s (higher is better)"), ("itl_p50_ms", "ITL P50, ms (lower is better)"),
+               ("ttft_p50_ms", "TTFT P50, ms (lower is better)")]
+    figure, panels = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4.2))
+    width = 0.8 / max(1, len(servers))
+    for axes, (metric, title) in zip(panels, metrics):
+        for index, server in enumerate(servers):
+            xs = [c_index + (index - (len(servers) - 1) / 2) * width for c_index in range(len(concurrencies))]
+            values = [find(rows, server, c, metric) or 0.0 for c in concurrencies]
+            bars = axes.bar(xs, values, width, label=server)
+            axes.bar_label(bars, labels=[f"{v:.0f}" if v >= 10 else f"{v:.1f}" for v in values], fontsize=7)
+        axes.set_xticks(range(len(concurrencies)), [f"C={c}" for c in concurrencies])
+        axes.set_title(title)
+        axes.grid(axis="y", alpha=0.3)
+        axes.legend(fontsize=8)
+    figure.suptitle("raymoe serve vs vllm serve (CPU), vllm bench serve, random 32 in / 64 out")
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def machine_description() -> str:
+    cpu = ""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout.splitlines():
+            if line.startswith("Model name"):
+                cpu = line.split(":", 1)[1].strip()
+    return f"{cpu or 'unknown CPU'}, {os.cpu_count()} cores, Python {sys.version.split()[0]}"
+
+
+def tool_version(argv: list[str]) -> str | None:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        lines = [line for line in result.stdout.splitlines() if line.strip()]
+        return lines[-1].strip() if lines else None
+    return None
+
+
+def previous_vllm_rows(path: str) -> list[dict[str, Any]]:
+    try:
+        with open(path) as handle:
+            previous = json.load(handle)
+    except (OSError, ValueError):
+        return []
+    rows = [row for row in previous.get("rows", []) if row.get("server") == VLLM]
+    for row in rows:
+        row["reused"] = True
+        row.setdefault("measured_at", previous.get("finished_at"))
+    return rows
+
+
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=96, help="requests per run (default 96)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32], help="max concurrency values")
+    parser.add_argument("--configs", nargs="+", default=["1x1", "2x4"],
+                        help="raymoe configs: RxW (routers x expert workers) or cluster config YAML paths")
+    parser.add_argument("--skip-vllm", action="store_true",
+                        help="do not run vLLM (its rows are reused from an existing --out file, if any)")
+    parser.add_argument("--raymoe-only", metavar="CONFIG",
+                        help="run only this raymoe config (RxW or a YAML path); implies --skip-vllm")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="limit of one vllm bench serve run, s")
+    parser.add_argument("--startup-timeout", type=float, default=900.0, help="limit of one server start, s")
+    parser.add_argument("--vllm-venv", default="/work/vllm-venv", help="virtualenv with vLLM's CPU build")
+    parser.add_argument("--checkpoint", default=DEFAULT_CKPT, help="checkpoint directory (written if missing)")
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sent in every request (vllm bench serve sends none by default; 0 = greedy on both)")
+    parser.add_argument("--raymoe-python", default=sys.executable,
+                        help="interpreter that runs `raymoe serve` (e.g. a virtualenv with another raymoe checkout)")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="results JSON; the chart goes beside it (.png)")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the servers' and clients' logs")
+    args = parser.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so that the finally blocks stop every server started here.
+    signal.signal(signal.SIGTERM, _interrupt)
+    if args.raymoe_only:
+        args.skip_vllm, args.configs = True, [args.raymoe_only]
+    vllm_bin = os.path.join(args.vllm_venv, "bin", "vllm")
+    if not os.access(vllm_bin, os.X_OK):
+        raise SystemExit(f"{vllm_bin} not found: build it with `bash shared/tools/vllm-cpu-venv {args.vllm_venv}` "
+                         "(vllm bench serve is the load generator for both servers)")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    started = time.monotonic()
+    load_before = os.getloadavg()
+    checkpoint = ensure_checkpoint(args.checkpoint)
+    work = tempfile.mkdtemp(prefix="bench_vs_vllm-")
+    rows: list[dict[str, Any]] = []
+    errors: list[str] = []
+    try:
+        runs = ([] if args.skip_vllm else [(VLLM, lambda: run_vllm(args, checkpoint, work))]) + [
+            (spec, lambda spec=spec: run_raymoe(spec, args, checkpoint, work)) for spec in args.configs]
+        for name, run in runs:
+            try:
+                rows.extend(run())
+            except (RuntimeError, OSError, ValueError) as error:  # one server failing does not lose the others' rows
+                log(f"{name}: FAILED: {error}")
+                errors.append(f"{name}: {error}")
+    finally:
+        if args.keep_logs or errors:
+            log(f"logs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    if args.skip_vllm:
+        rows = previous_vllm_rows(args.out) + rows
+    if not rows:
+        raise SystemExit("no results: " + "; ".join(errors))
+    ratio_rows = ratios(rows)
+    print(f"machine: {machine_description()}; {args.num_prompts} prompts per run, "
+          f"{args.input_len} in / {args.output_len} out, wall {time.monotonic() - started:.0f} s, "
+          f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after")
+    print_table(rows, ratio_rows)
+    result = {
+        "machine": machine_description(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "wall_s": time.monotonic() - started, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+        "checkpoint": checkpoint_summary(checkpoint),
+        "vllm_version": tool_version([vllm_bin, "--version"]),
+        "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+                     "concurrency": args.concurrency, "seed": args.seed, "temperature": args.temperature, "client": "vllm bench serve --backend openai"},
+        "configs": args.configs, "raymoe_python": args.raymoe_python, "rows": rows, "ratios": ratio_rows, "errors": errors,
+    }
+    with open(args.out, "w") as handle:
+        json.dump(result, handle, indent=2)
+    write_plot(rows, os.path.splitext(args.out)[0] + ".png")
+    log(f"wrote {args.out} and {os.path.splitext(args.out)[0]}.png")
+    if errors:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
