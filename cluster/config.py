@@ -106,6 +106,7 @@ class PlacementSection(_Section):
     strategy: PlacementStrategy = PlacementStrategy.CONTIGUOUS
     redundant_slots_per_worker: NonNegative = 0
     node_strategy: NodeStrategy = NodeStrategy.PACK
+    workers_per_node: Positive = 1  # workers sharing one placement-group bundle (one node)
     experts: WorkerMap | None = None  # explicit only: worker -> logical experts
     layers: dict[NonNegative, WorkerMap] | None = None  # explicit only: MoE layer -> map
 

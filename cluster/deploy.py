@@ -1,9 +1,9 @@
 """Bring a cluster config up on Ray: expert workers in a placement group, routers, groups.
 
 1. Check the checkpoint against its config before any actor starts.
-2. Reserve one bundle per expert worker (a GPU each; a sliver of CPU on CPU-only machines,
-   so the config's counts decide how many actors start, whatever the core count), spread
-   over nodes by ``placement.node_strategy``.
+2. Reserve one bundle per ``placement.workers_per_node`` expert workers (a GPU each; a sliver
+   of CPU on CPU-only machines, so the config's counts decide how many actors start, whatever
+   the core count), spread over nodes by ``placement.node_strategy``.
 3. Build the one :class:`PlacementTable` from the config and the bundles' nodes.
 4. Start the workers (each loads only its own experts) and the routers.
 5. Once every actor has loaded its weights, routers and workers join the deployment's one
@@ -161,21 +161,26 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
                          "(device resolved to cuda); set comm.backend: nccl (or auto), or device: cpu")
     backend = CommBackend.NCCL if backend is CommBackend.AUTO and gpus else (
         CommBackend.GLOO if backend is CommBackend.AUTO else backend)
-    # Step 2: one bundle per expert worker, spread over nodes as asked.
-    bundle = {"GPU": 1, "CPU": CPU_SLIVER} if gpus else {"CPU": CPU_SLIVER}
-    group = placement_group([dict(bundle) for _ in range(config.expert_workers)],
+    # Step 2: one bundle per node-share of `workers_per_node` workers (a GPU each; a sliver
+    # of CPU on CPU-only machines), spread over nodes as asked; worker w goes into bundle
+    # w // workers_per_node, so STRICT_SPREAD puts that many workers on each node.
+    per_node = config.placement.workers_per_node
+    num_bundles = -(-config.expert_workers // per_node)
+    bundle = {"GPU": per_node, "CPU": CPU_SLIVER * per_node} if gpus else {"CPU": CPU_SLIVER * per_node}
+    group = placement_group([dict(bundle) for _ in range(num_bundles)],
                             strategy=config.placement.node_strategy.value, name=f"{name}-workers")
     try:
         ray.get(group.ready(), timeout=ready_timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(group)
         raise RuntimeError(
-            f"could not reserve {config.expert_workers} expert-worker bundles {bundle} with "
+            f"could not reserve {num_bundles} expert-worker bundles {bundle} ({per_node} workers each) with "
             f"{config.placement.node_strategy.value} within {ready_timeout_s:.0f} s; cluster resources: "
-            f"{ray.cluster_resources()}, nodes: {len(ray.nodes())}. STRICT_SPREAD needs one node per worker."
+            f"{ray.cluster_resources()}, nodes: {len(ray.nodes())}. STRICT_SPREAD needs one node per bundle: "
+            f"raise placement.workers_per_node to put more workers on each node."
         ) from None
     bundle_nodes = placement_group_table(group)["bundles_to_node_id"]
-    worker_nodes = [bundle_nodes[i] for i in range(config.expert_workers)]
+    worker_nodes = [bundle_nodes[w // per_node] for w in range(config.expert_workers)]
     node_index = {node: i for i, node in enumerate(dict.fromkeys(worker_nodes))}
     # Step 3: the one placement table.
     placement = initial_placement(
@@ -197,7 +202,7 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
         worker_class.options(
             num_cpus=0 if gpus else CPU_SLIVER, num_gpus=1 if gpus else 0, max_concurrency=concurrency,
             max_restarts=-1,  # a crashed worker is restarted; the controller reloads its experts
-            name=f"{name}-worker-{w}", namespace=namespace, scheduling_strategy=PlacementGroupSchedulingStrategy(group, w),
+            name=f"{name}-worker-{w}", namespace=namespace, scheduling_strategy=PlacementGroupSchedulingStrategy(group, w // per_node),
         ).remote(w, config.model, config.dtype.value, "cuda" if gpus else "cpu", placement.to_dict(), spare_rows)
         for w in range(config.expert_workers)
     ]

@@ -30,6 +30,7 @@ class RemoteExperts:
         self.telemetry = telemetry
         self.device = device
         self.exchange: RouterExchange | None = None  # set when the router joins the group
+        self._step_exchange: RouterExchange | None = None
         self._tables = self._index_tables(placement)
         self._cursor = 0  # the next MoE layer this step exchanges
         self._real = False  # whether this step carried any of this router's tokens
@@ -55,6 +56,8 @@ class RemoteExperts:
     def begin_step(self) -> None:
         if self.exchange is None:  # a CommError, so the router waits for the supervisor's rebuild
             raise CommError("the router is not joined with its expert workers (no communicator)")
+        self._step_exchange = self.exchange  # the whole step uses one group, even if the
+        # supervisor swaps or aborts it meanwhile (an aborted one fails with a CommError)
         self._cursor = 0
         self._real = False
         self._step_started = time.perf_counter()
@@ -64,9 +67,9 @@ class RemoteExperts:
     def complete_step(self) -> None:
         """Exchange zero rows for the layers this step did not reach; record the step."""
         while self._cursor < self.placement.num_layers:
-            _, traffic = self.exchange.exchange(self._cursor, None, None, self.placement.epoch)
+            self._step_exchange.exchange(self._cursor, None, None, self.placement.epoch)
             self._cursor += 1
-        expert_s = self.exchange.read_trailers()
+        expert_s = self._step_exchange.read_trailers()
         if self._real:
             total = time.perf_counter() - self._step_started
             self.telemetry.end_step(total - self._moe_seconds, expert_s, self.placement.epoch)
@@ -74,7 +77,7 @@ class RemoteExperts:
     def forward(
         self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        if self.exchange is None:
+        if self._step_exchange is None:
             raise CommError("the router is not joined with its expert workers (no communicator)")
         if moe_layer != self._cursor:
             raise RuntimeError(f"MoE layer {moe_layer} out of order: this step is at layer {self._cursor} "
@@ -85,7 +88,7 @@ class RemoteExperts:
         kept = None if self.capacity.policy is OverflowPolicy.NONE else keep_mask(topk_ids, placement.num_experts, self.capacity)
         plan = plan_exchange(topk_ids, topk_weights, kept, log2phy, logcnt, placement.slots_per_worker,
                              placement.num_workers)
-        out, traffic = self.exchange.exchange(moe_layer, plan, hidden, placement.epoch)
+        out, traffic = self._step_exchange.exchange(moe_layer, plan, hidden, placement.epoch)
         self._record(moe_layer, topk_ids, plan, kept, log2phy, traffic, hidden)
         self._cursor += 1
         self._real = True

@@ -41,6 +41,26 @@ def test_strict_spread_puts_workers_on_different_nodes_and_outputs_do_not_change
         deployment.shutdown()
 
 
+def test_workers_per_node_puts_several_workers_on_each_node(three_nodes, tiny_mixtral_dir):
+    """Four workers, two per bundle, STRICT_SPREAD: workers 0-1 share one node, 2-3 another."""
+    batch = prompts(4, seed=12)
+    expected = [o.output_token_ids for o in reference_engine(tiny_mixtral_dir).generate(batch, GREEDY)]
+    config = cluster_config(
+        tiny_mixtral_dir, expert_workers=4, routers=1,
+        placement={"strategy": "round_robin", "node_strategy": "STRICT_SPREAD", "workers_per_node": 2},
+    )
+    deployment = deploy(config, name="ep-per-node")
+    try:
+        nodes = [info["node_id"] for info in ray.get([w.info.remote() for w in deployment.workers])]
+        assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2]
+        assert deployment.worker_nodes == nodes
+        table = deployment.placement.worker2node.tolist()
+        assert table[0] == table[1] and table[2] == table[3] and table[0] != table[2]
+        assert [o.output_token_ids for o in deployment.generate(batch, GREEDY)] == expected
+    finally:
+        deployment.shutdown()
+
+
 def test_strict_spread_beyond_the_nodes_is_a_clear_error(three_nodes, tiny_mixtral_dir):
     config = cluster_config(tiny_mixtral_dir, expert_workers=4, placement={"node_strategy": "STRICT_SPREAD"})
     with pytest.raises(RuntimeError, match="could not reserve 4 expert-worker bundles"):
