@@ -66,9 +66,21 @@ class GroupLayout:
         return list(range(self.num_routers))
 
 
-def row_bytes(hidden_size: int, top_k: int, dtype: torch.dtype) -> int:
-    """Bytes of one dispatched row: activations, k int32 slots, k float32 weights."""
-    return hidden_size * torch.empty(0, dtype=dtype).element_size() + 8 * top_k
+@dataclass(frozen=True)
+class RowFormat:
+    """One dispatched row on the wire: D activations, then k int32 slots, then k float32 weights."""
+
+    hidden_size: int
+    top_k: int
+    dtype: torch.dtype
+
+    @property
+    def activation_bytes(self) -> int:  # also the bytes of one combined row
+        return self.hidden_size * torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def row_bytes(self) -> int:
+        return self.activation_bytes + 8 * self.top_k
 
 
 def layer_tag(layer: int, what: str) -> str:
@@ -102,12 +114,9 @@ class RouterExchange:
         self.layout = layout
         self.router_index = router_index
         self.num_workers = num_workers  # workers of the placement (the group may hold fewer)
-        self.top_k = top_k
-        self.hidden_size = hidden_size
-        self.dtype = dtype
-        self.device = device
-        self.row_bytes = row_bytes(hidden_size, top_k, dtype)
-        self.combine_row_bytes = hidden_size * torch.empty(0, dtype=dtype).element_size()
+        self.format = RowFormat(hidden_size, top_k, dtype)
+        self.top_k, self.hidden_size, self.dtype, self.device = top_k, hidden_size, dtype, device
+        self.combine_row_bytes = self.format.activation_bytes
         self._rank_of_worker = {w: layout.worker_rank(i) for i, w in enumerate(layout.participants)}
 
     def exchange(self, layer: int, plan: ExchangePlan | None, hidden: torch.Tensor | None,
@@ -219,12 +228,9 @@ class WorkerExchange:
         self.comm = comm
         self.slots_per_worker = slots_per_worker
         self.layout = layout
-        self.hidden_size = hidden_size
-        self.top_k = top_k
-        self.dtype = dtype
-        self.device = device
-        self.row_bytes = row_bytes(hidden_size, top_k, dtype)
-        self.activation_bytes = hidden_size * torch.empty(0, dtype=dtype).element_size()
+        self.format = RowFormat(hidden_size, top_k, dtype)
+        self.top_k, self.hidden_size, self.dtype, self.device = top_k, hidden_size, dtype, device
+        self.row_bytes, self.activation_bytes = self.format.row_bytes, self.format.activation_bytes
 
     def receive_headers(self, layer: int, timeout_s: float | None = None) -> list[list[int]] | None:
         """One header per router (host ints), or None for an idle tick (no step now)."""
