@@ -16,7 +16,9 @@ import hmac
 import itertools
 import os
 import json
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 import ray
@@ -38,7 +40,9 @@ from raymoe.engine.openai_protocol import RequestError, new_id
 from raymoe.engine.stream_text import TextStream
 from raymoe.engine.tokenizer import Tokenizer
 
+LOG = logging.getLogger("raymoe.ingress")
 HEALTH_TIMEOUT_S = 5.0
+PREPARE_THREADS = 4  # bodies validated, tokenized and templated at once, off the event loop
 RETRY_AFTER_S = 1
 ROUTER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
@@ -98,6 +102,7 @@ class OpenAIIngress:
         self.subscriber = new_id("ingress")
         self._waiting: dict[str, tuple[int, asyncio.Queue]] = {}  # request id -> (router, its deltas)
         self._subscriptions: dict[int, asyncio.Task] = {}
+        self._prepare_pool = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="raymoe-prepare")
 
     # ---- OpenAI routes -----------------------------------------------------------------
     @app.post("/v1/completions")
@@ -167,30 +172,93 @@ class OpenAIIngress:
 
     # ---- serving one request -----------------------------------------------------------
     async def _serve(self, request: Request, endpoint: Endpoint) -> Response:
+        """One request, with its real status counted once: its 4xx, 499 when the client went
+        away, 500/503 when it failed, 200 when it finished."""
         arrived = time.perf_counter()
         label = endpoint.name.lower()
         try:
             body = await self._read_body(request)
-            prepared = prepare_request(endpoint, body, self.tokenizer, self.limits)
+            # Tokenizing and rendering the chat template can take long: never on the event loop.
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                self._prepare_pool, prepare_request, endpoint, body, self.tokenizer, self.limits)
         except RequestError as error:
-            self.metrics.requests.labels(label, str(error.status)).inc()
+            self._count(label, error.status)
             return error_response(error)
         request_id = new_id("chatcmpl" if endpoint is Endpoint.CHAT else "cmpl")
         if min(self.in_flight) >= self.admission_limit:  # every router's queue is full
-            self.metrics.requests.labels(label, "503").inc()
+            self._count(label, 503)
             error = RequestError("the server is overloaded; retry shortly", status=503, error_type="server_error",
                                  code="overloaded")
             return JSONResponse(error.body(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         self.metrics.prompt_tokens.inc(len(prepared.prompt_ids))
-        deltas = self._deltas(prepared, request_id, arrived, label)
         if prepared.stream:
-            return StreamingResponse(self._sse(prepared, deltas, request_id), media_type="text/event-stream")
-        output = None
-        async for output in deltas:
+            return StreamingResponse(self._sse(prepared, request_id, arrived, label), media_type="text/event-stream")
+        status = 500
+        try:
+            output = await self._unless_disconnected(request, self._collect(prepared, request_id, arrived))
+            if output is None:  # the client went away: its sequence was aborted
+                status = 499
+                return Response(status_code=499)
             if isinstance(output, StepFailure):
-                return error_response(RequestError(f"the request failed: {output.message}", status=503,
-                                                   error_type="server_error", code="step_failed"))
-        return JSONResponse(response_body(prepared, output, self.tokenizer, request_id, self.limits.name))
+                status = output.status
+                return self._failure_response(output)
+            response = JSONResponse(response_body(prepared, output, self.tokenizer, request_id, self.limits.name))
+            status = 200
+            return response
+        finally:
+            self._count(label, status)
+            self.metrics.e2e.observe(time.perf_counter() - arrived)
+
+    def _count(self, label: str, status: int) -> None:
+        self.metrics.requests.labels(label, str(status)).inc()
+
+    def _failure_response(self, failure: StepFailure) -> JSONResponse:
+        """The client hears what it may (never internal exception text); the log has the rest."""
+        LOG.warning("request %s failed: %s", failure.request_id, failure.message)
+        kind, code = ("server_error", "step_failed") if failure.status == 503 else ("server_error", "internal_error")
+        error = RequestError(f"the request failed: {failure.public} (request id {failure.request_id})",
+                             status=failure.status, error_type=kind, code=code)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if failure.status == 503 else None
+        return JSONResponse(error.body(), status_code=failure.status, headers=headers)
+
+    async def _collect(self, prepared: PreparedRequest, request_id: str,
+                       arrived: float) -> RequestOutput | StepFailure | None:
+        deltas = self._deltas(prepared, request_id, arrived)
+        output = None
+        try:
+            async for output in deltas:
+                if isinstance(output, StepFailure):
+                    break
+            return output
+        finally:
+            await deltas.aclose()
+
+    @staticmethod
+    async def _unless_disconnected(request: Request, work) -> Any:
+        """Run ``work``; if the client disconnects first, cancel it (its sequence is aborted
+        at once) and return None."""
+        task = asyncio.ensure_future(work)
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(disconnected())
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server cancelled the handler: cancel the work too
+            task.cancel()
+            raise
+        finally:
+            watcher.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        return None
 
     async def _read_body(self, request: Request) -> bytes:
         cap = self.config.serve.max_body_bytes
@@ -236,8 +304,8 @@ class OpenAIIngress:
             if entry[0] == router:
                 entry[1].put_nowait(RouterLost(lost))
 
-    async def _deltas(self, prepared: PreparedRequest, request_id: str, arrived: float,
-                      label: str) -> AsyncIterator[RequestOutput | StepFailure]:
+    async def _deltas(self, prepared: PreparedRequest, request_id: str,
+                      arrived: float) -> AsyncIterator[RequestOutput | StepFailure]:
         """The router's token deltas folded into a growing RequestOutput (or a StepFailure).
 
         If the router dies before any token reached the client (always, for a non-streamed
@@ -246,7 +314,7 @@ class OpenAIIngress:
         """
         failed: set[int] = set()
         router = self._pick_router(failed)
-        status = "200"
+        finished = False
         try:
             while True:
                 tokens, logprobs, tops, last = [], [], [], None
@@ -261,7 +329,7 @@ class OpenAIIngress:
                         if isinstance(item, RouterLost):
                             raise item
                         if isinstance(item, StepFailure):
-                            status = "503"
+                            finished = True
                             yield item
                             return
                         now = time.perf_counter()
@@ -275,6 +343,7 @@ class OpenAIIngress:
                         logprobs += item.logprobs
                         tops += item.top_logprobs
                         self.metrics.output_tokens.inc(len(item.token_ids))
+                        finished = item.finished
                         yield RequestOutput(request_id, item.token_ids, item.logprobs, item.finished,
                                             item.finish_reason, item.num_prompt_tokens, tokens, logprobs, tops,
                                             item.stop_text_index)
@@ -283,53 +352,67 @@ class OpenAIIngress:
                 except (*ROUTER_LOST, RouterLost) as error:
                     failed.add(router)
                     if (prepared.stream and tokens) or len(failed) > len(self.in_flight):
-                        status = "503"
+                        finished = True
                         yield StepFailure(request_id, f"the router serving this request was lost after "
-                                                      f"{len(tokens)} streamed tokens: "
-                                                      f"{type(getattr(error, 'cause', error)).__name__}")
+                                                      f"{len(tokens)} streamed tokens: {error}",
+                                          public=f"the router serving it was lost after {len(tokens)} streamed "
+                                                 f"tokens; retry")
                         return
                     self.in_flight[router] -= 1
                     router = self._pick_router(failed)  # nothing reached the client: start over elsewhere
-        except (asyncio.CancelledError, GeneratorExit):
-            status = "499"  # the client went away: free the router's slot and KV blocks
-            self.deployment.routers[router].abort.remote(request_id)
-            raise
         finally:
+            if not finished:  # the client went away (or the caller stopped): free its slot and KV blocks
+                self.deployment.routers[router].abort.remote(request_id)
             self._waiting.pop(request_id, None)
             self.in_flight[router] -= 1
-            self.metrics.requests.labels(label, status).inc()
-            self.metrics.e2e.observe(time.perf_counter() - arrived)
 
-    async def _sse(self, prepared: PreparedRequest, deltas, request_id: str) -> AsyncIterator[str]:
+    async def _sse(self, prepared: PreparedRequest, request_id: str, arrived: float,
+                   label: str) -> AsyncIterator[str]:
         chat = prepared.endpoint is Endpoint.CHAT
         text = TextStream(self.tokenizer.decode if self.tokenizer else (lambda ids: ""), prepared.params.stop)
         sent_tokens = 0
         output = None
-        async for output in deltas:
-            if isinstance(output, StepFailure):
-                error = RequestError(f"the request failed: {output.message}", status=503, error_type="server_error",
-                                     code="step_failed")
-                yield f"data: {json.dumps(error.body())}\n\n"
-                break
-            piece = text.update(output.output_token_ids, output.finished, output.stop_text_index)
-            choice: dict[str, Any] = {"index": 0, "finish_reason": output.finish_reason}
-            if chat:
-                choice["delta"] = {"role": "assistant", "content": piece} if sent_tokens == 0 else {"content": piece}
-            else:
-                choice["text"] = piece
-            choice["logprobs"] = (logprobs_body(output, self.tokenizer, chat, start=sent_tokens)
-                                  if prepared.want_logprobs else None)
-            if prepared.return_token_ids:
-                choice["token_ids"] = output.output_token_ids[sent_tokens:]
-                if sent_tokens == 0:
-                    choice["prompt_token_ids"] = prepared.prompt_ids
-            sent_tokens = len(output.output_token_ids)
-            yield f"data: {json.dumps(self._chunk(request_id, chat, [choice]))}\n\n"
-        if prepared.include_usage and output is not None and not isinstance(output, StepFailure):
-            usage = {"prompt_tokens": len(prepared.prompt_ids), "completion_tokens": sent_tokens,
-                     "total_tokens": len(prepared.prompt_ids) + sent_tokens}
-            yield f"data: {json.dumps(dict(self._chunk(request_id, chat, []), usage=usage))}\n\n"
-        yield "data: [DONE]\n\n"
+        status = 499  # unless it ends one of the ways below: the client went away
+        deltas = self._deltas(prepared, request_id, arrived)
+        try:
+            async for output in deltas:
+                if isinstance(output, StepFailure):
+                    status = output.status
+                    LOG.warning("request %s failed: %s", request_id, output.message)
+                    error = RequestError(f"the request failed: {output.public} (request id {request_id})",
+                                         status=output.status, error_type="server_error",
+                                         code="step_failed" if output.status == 503 else "internal_error")
+                    yield f"data: {json.dumps(error.body())}\n\n"
+                    break
+                piece = text.update(output.output_token_ids, output.finished, output.stop_text_index)
+                choice: dict[str, Any] = {"index": 0, "finish_reason": output.finish_reason}
+                if chat:
+                    choice["delta"] = {"role": "assistant", "content": piece} if sent_tokens == 0 else {"content": piece}
+                else:
+                    choice["text"] = piece
+                choice["logprobs"] = (logprobs_body(output, self.tokenizer, chat, start=sent_tokens)
+                                      if prepared.want_logprobs else None)
+                if prepared.return_token_ids:
+                    choice["token_ids"] = output.output_token_ids[sent_tokens:]
+                    if sent_tokens == 0:
+                        choice["prompt_token_ids"] = prepared.prompt_ids
+                sent_tokens = len(output.output_token_ids)
+                yield f"data: {json.dumps(self._chunk(request_id, chat, [choice]))}\n\n"
+                if output.finished:
+                    status = 200
+            if prepared.include_usage and output is not None and not isinstance(output, StepFailure):
+                usage = {"prompt_tokens": len(prepared.prompt_ids), "completion_tokens": sent_tokens,
+                         "total_tokens": len(prepared.prompt_ids) + sent_tokens}
+                yield f"data: {json.dumps(dict(self._chunk(request_id, chat, []), usage=usage))}\n\n"
+            yield "data: [DONE]\n\n"
+        except Exception:
+            status = 500
+            LOG.exception("request %s: streaming failed", request_id)
+            raise
+        finally:
+            await deltas.aclose()
+            self._count(label, status)
+            self.metrics.e2e.observe(time.perf_counter() - arrived)
 
     def _chunk(self, request_id: str, chat: bool, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",

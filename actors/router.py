@@ -72,10 +72,16 @@ class ScoreJob:
 
 @dataclass(frozen=True)
 class StepFailure:
-    """The step that carried the request failed; the caller gets this instead of tokens."""
+    """The request failed (its step, or it alone); the caller gets this instead of tokens.
+
+    ``message`` is for the server's log (it may hold internal detail); ``public`` is what a
+    client may be told; ``status`` the HTTP status that fits (503: retry; 500: it failed).
+    """
 
     request_id: str
     message: str
+    public: str = "the server could not run this request's step; retry shortly"
+    status: int = 503
 
 
 class Router:
@@ -114,6 +120,9 @@ class Router:
         self.experts.set_placement(self.placement)  # index tables on the engine's device
         self._lock = threading.Lock()  # guards the engine: steps, adds, aborts, scoring
         self._work = threading.Condition(self._lock)
+        self._wake = threading.Condition()  # guards the inbox below; wakes the idle step thread
+        self._incoming: list[tuple[str, list[int], SamplingParams]] = []
+        self._aborts: list[str] = []
         # request id -> (where its deltas go, whether that is a subscriber's per-step batch queue)
         self._queues: dict[str, tuple[queue.Queue, bool]] = {}
         self._subscribers: dict[str, queue.Queue] = {}
@@ -125,6 +134,7 @@ class Router:
         self.recoveries = 0
         self.last_failure: dict[str, Any] | None = None
         self.idle_rounds = 0
+        self.generated_tokens = 0  # tokens this router sampled since start (aborted requests' too)
 
     # ---- the deployment's expert-parallel group ---------------------------------------
     def rendezvous(self) -> Any:
@@ -138,7 +148,8 @@ class Router:
         members = tuple(range(len(self.workers))) if participants is None else tuple(participants)
         layout = GroupLayout(self.num_routers, members)
         comm = make_communicator(self.backend, rendezvous, rank=self.router_index, world_size=layout.world_size,
-                                 timeout_s=self.timeout_s, device=self.device if self.device.type == "cuda" else None)
+                                 timeout_s=self.timeout_s, device=self.device if self.device.type == "cuda" else None,
+                                 bind_host=ray.util.get_node_ip_address())
         with self._work:
             self.experts.exchange = RouterExchange(
                 comm, layout, self.router_index, self.placement.num_workers, self.placement.slots_per_worker,
@@ -146,7 +157,8 @@ class Router:
                 self.config.hidden_size, self.engine.dtype, self.device)
             self.comm_generation = generation
             self.idle_rounds = 0
-            self._work.notify_all()
+        with self._wake:
+            self._wake.notify_all()
         if self._thread is None:
             self._thread = threading.Thread(target=self._step_loop, name=f"{self.router_id}-steps", daemon=True)
             self._thread.start()
@@ -163,6 +175,24 @@ class Router:
     def _has_work(self) -> bool:
         return bool(self._score_jobs) or self.engine.has_unfinished()
 
+    def _pending_work(self) -> bool:
+        return bool(self._incoming) or bool(self._aborts) or self._has_work()
+
+    def _drain_inbox(self) -> None:
+        """Requests and aborts that arrived since the last step enter the engine here, on the
+        step thread (engine lock held): callers never wait for a step to finish."""
+        with self._wake:
+            incoming, self._incoming = self._incoming, []
+            aborts, self._aborts = self._aborts, []
+        for request_id, prompt_ids, params in incoming:
+            try:
+                self.engine.add_request(request_id, prompt_ids, params)
+            except Exception as error:  # validated at submit; e.g. a duplicate id: it alone fails
+                self._deliver([StepFailure(request_id, f"{type(error).__name__}: {error}",
+                                           public="the router refused this request", status=500)])
+        for request_id in aborts:
+            self.engine.abort_request(request_id)
+
     def _step_loop(self) -> None:
         """One group step per turn, in lockstep with every other router of the deployment.
 
@@ -172,21 +202,22 @@ class Router:
         keeps the workers' deadline for the next step from expiring in a quiet deployment.
         """
         while True:
-            with self._work:
+            with self._wake:
                 if self._stopped:
                     return
-                exchange = self.experts.exchange
-                has_work = self._has_work()
-                if exchange is None or (not has_work and self.num_routers == 1):
-                    self._work.wait(NOT_JOINED_WAIT_S if exchange is None else TICK_S)
+                if self.experts.exchange is None:
+                    self._wake.wait(NOT_JOINED_WAIT_S)
+                    continue
+                if not self._pending_work():
+                    self._wake.wait(TICK_S if self.num_routers == 1 else
+                                    min(IDLE_MIN_S * 2 ** min(self.idle_rounds, 8), IDLE_MAX_S))
                     if self._stopped:
                         return
-                    exchange, has_work = self.experts.exchange, self._has_work()
-                    if exchange is None:
-                        continue
-                elif not has_work:
-                    self._work.wait(min(IDLE_MIN_S * 2 ** min(self.idle_rounds, 8), IDLE_MAX_S))
-                    has_work = self._has_work()
+            with self._work:
+                self._drain_inbox()
+            exchange, has_work = self.experts.exchange, self._has_work()
+            if exchange is None:
+                continue
             step_started = time.monotonic()
             failure, outputs = None, []
             try:
@@ -209,6 +240,7 @@ class Router:
             if failure is not None:
                 self._recover(failure)
             if outputs:
+                self.generated_tokens += sum(len(output.new_token_ids) for output in outputs)
                 self._deliver([self._delta(output) for output in outputs])
 
     def _group_step(self, has_work: bool) -> list[RequestOutput]:
@@ -252,7 +284,9 @@ class Router:
                 self._fail_all(f"{type(failure).__name__}: {failure}; recovery failed: {type(error).__name__}: {error}")
 
     @staticmethod
-    def _delta(output: RequestOutput) -> TokenDelta:
+    def _delta(output: RequestOutput) -> TokenDelta | StepFailure:
+        if output.error is not None:  # this sequence alone failed; its batch went on
+            return StepFailure(output.request_id, output.error, public=output.error, status=500)
         return TokenDelta(
             output.request_id, output.new_token_ids, output.new_logprobs,
             output.output_top_logprobs[-len(output.new_token_ids):], output.finished,
@@ -307,18 +341,21 @@ class Router:
         return finals
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self.engine.abort_request(request_id)
+        """Stop ``request_id`` at the next step boundary (its blocks freed); returns at once."""
         self._forget(request_id)
+        with self._wake:
+            self._aborts.append(request_id)
+            self._wake.notify()
 
     def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                 target: queue.Queue | None = None) -> queue.Queue:
         batched = target is not None
         target = queue.Queue() if target is None else target
-        with self._work:
-            self.engine.add_request(request_id, prompt_ids, params)
+        self.engine.validate_prompt(prompt_ids, params)  # a bad request is refused to its caller
+        with self._wake:
             self._queues[request_id] = (target, batched)
-            self._work.notify()
+            self._incoming.append((request_id, prompt_ids, params))
+            self._wake.notify()
         return target
 
     # ---- subscribers: one stream per caller (an ingress replica), one item per step ----
@@ -352,9 +389,9 @@ class Router:
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """Logits at every prompt position, computed as one of the group's steps."""
         job = ScoreJob(prompts)
-        with self._work:
+        with self._wake:
             self._score_jobs.append(job)
-            self._work.notify()
+            self._wake.notify()
         if not job.done.wait(RECOVERY_TIMEOUT_S):
             raise TimeoutError(f"scoring did not finish within {RECOVERY_TIMEOUT_S:.0f} s")
         if job.error is not None:
@@ -365,7 +402,9 @@ class Router:
         return len(self._queues)
 
     def get_telemetry(self) -> dict[str, Any]:
-        return self.telemetry.snapshot()
+        scheduler = self.engine.scheduler
+        return dict(self.telemetry.snapshot(), requests_running=len(scheduler.running),
+                    requests_waiting=len(scheduler.waiting), generated_tokens=self.generated_tokens)
 
     def expert_loads_since(self, cursor: int) -> tuple[int, Any]:
         return self.telemetry.expert_loads_since(cursor)
@@ -382,13 +421,14 @@ class Router:
 
     def info(self) -> dict[str, Any]:
         return {"router": self.router_id, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "threads": threading.active_count(),
                 "recoveries": self.recoveries, "comm_generation": self.comm_generation,
                 "last_failure": self.last_failure}
 
     def shutdown(self) -> None:
-        with self._work:
+        with self._wake:
             self._stopped = True
-            self._work.notify_all()
+            self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
         exchange, self.experts.exchange = self.experts.exchange, None

@@ -33,6 +33,9 @@ class ServingMetrics:
         self.window_balance = Gauge("raymoe_window_balancedness", "Controller's window balancedness by statistic over layers", ["stat"], registry=r)
         self.rebalances = Gauge("raymoe_rebalances", "Rebalances carried out since start", registry=r)
         self.migration_seconds = Gauge("raymoe_migration_seconds", "Seconds spent migrating experts since start", registry=r)
+        self.running = Gauge("raymoe_num_requests_running", "Sequences in the routers' running batches", registry=r)
+        self.waiting = Gauge("raymoe_num_requests_waiting", "Sequences waiting for a place in a batch", registry=r)
+        self.sampled = Gauge("raymoe_router_generated_tokens", "Tokens the routers sampled since start, aborted requests' included", registry=r)
         self.bytes_moved = Gauge("raymoe_migration_bytes", "Expert weight bytes copied by rebalances since start", registry=r)
 
     def render(self, telemetry: list[dict[str, Any]], controller: dict[str, Any] | None = None) -> bytes:
@@ -42,6 +45,9 @@ class ServingMetrics:
             for worker, tokens in enumerate(worker_load.sum(axis=0)):
                 self.routed.labels(worker=str(worker)).set(tokens)
             self.dropped.set(sum(t["dropped"] for t in telemetry))
+            self.running.set(sum(t.get("requests_running", 0) for t in telemetry))
+            self.waiting.set(sum(t.get("requests_waiting", 0) for t in telemetry))
+            self.sampled.set(sum(t.get("generated_tokens", 0) for t in telemetry))
             self.balance.set(balancedness(worker_load))
         if controller is not None:
             self.window_balance.labels(stat="avg").set(controller["balancedness"])

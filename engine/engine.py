@@ -11,6 +11,7 @@ One step is schedule -> run -> postprocess:
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -32,6 +33,9 @@ from raymoe.moe.capacity import CapacityConfig
 from raymoe.moe.model_config import ModelConfig, load_model_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+LOG = logging.getLogger("raymoe.engine")
 
 
 def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -70,6 +74,7 @@ class RequestOutput:
     output_top_logprobs: list[list[tuple[int, float]] | None]
     stop_text_index: int | None = None
     logits: torch.Tensor | None = None  # [V], only with EngineConfig.keep_logits
+    error: str | None = None  # this sequence failed alone (its sampling or stop check); it is finished
 
 
 class LLMEngine:
@@ -173,11 +178,20 @@ class LLMEngine:
         last_rows = torch.tensor(list(itertools.accumulate(s.num_new_tokens for s in sequences))) - 1
         hidden = self._run(sequences)  # [T, D]
         logits = self.model.logits(hidden.index_select(0, last_rows.to(hidden.device))).cpu()  # [B, V]
-        tokens, logprobs, tops = sample(logits, sequences)
-        outputs = [
-            self._postprocess(sequence, token, logprob, top, logits[i] if self.engine_config.keep_logits else None)
-            for i, (sequence, token, logprob, top) in enumerate(zip(sequences, tokens, logprobs, tops))
-        ]
+        try:
+            sampled = list(zip(*sample(logits, sequences)))
+        except Exception:  # one sequence's sampling must not fail its batch: sample each alone
+            sampled = [self._sample_alone(logits[i:i + 1], sequence) for i, sequence in enumerate(sequences)]
+        outputs = []
+        for i, (sequence, choice) in enumerate(zip(sequences, sampled)):
+            if isinstance(choice, Exception):
+                outputs.append(self._fail_sequence(sequence, "sampling", choice))
+                continue
+            try:
+                outputs.append(self._postprocess(sequence, *choice,
+                                                 logits[i] if self.engine_config.keep_logits else None))
+            except Exception as error:  # e.g. its stop-string check: it alone fails
+                outputs.append(self._fail_sequence(sequence, "checking stop conditions", error))
         self.num_steps += 1
         self.step_seconds += time.perf_counter() - started
         return outputs
@@ -239,6 +253,28 @@ class LLMEngine:
             output_top_logprobs=sequence.top_logprobs,
             stop_text_index=sequence.stop_text_index,
             logits=logits,
+        )
+
+    @staticmethod
+    def _sample_alone(logits: torch.Tensor, sequence: Sequence):
+        try:
+            tokens, logprobs, tops = sample(logits, [sequence])
+            return tokens[0], logprobs[0], tops[0]
+        except Exception as error:
+            return error
+
+    def _fail_sequence(self, sequence: Sequence, stage: str, error: BaseException) -> RequestOutput:
+        """Finish ``sequence`` alone with an error (its blocks freed); the internal text stays
+        in the server's log, keyed by the request id."""
+        LOG.error("request %s failed while %s: %s: %s", sequence.request_id, stage, type(error).__name__, error)
+        sequence.finish_reason = FinishReason.ABORT
+        self.scheduler.finish(sequence)
+        self._sequences.pop(sequence.request_id, None)
+        return RequestOutput(
+            request_id=sequence.request_id, new_token_ids=[], new_logprobs=[], finished=True,
+            finish_reason=None, num_prompt_tokens=len(sequence.prompt_ids), output_token_ids=sequence.output_ids,
+            output_logprobs=sequence.logprobs, output_top_logprobs=sequence.top_logprobs,
+            error=f"the server failed while {stage} for this request",
         )
 
     def _match_stop(self, sequence: Sequence) -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from raymoe.engine.sampler import MIN_TEMPERATURE
 from raymoe.engine.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -69,8 +70,39 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: int | None = None
 
 
+MAX_JSON_DEPTH = 32  # OpenAI bodies nest 4-6 deep; deeper is refused before decoding
+
+
+def check_json_depth(raw: bytes, limit: int = MAX_JSON_DEPTH) -> None:
+    """Refuse JSON nested deeper than ``limit`` (arrays and objects), without parsing it: a
+    linear scan that skips strings. Deep nesting would otherwise exhaust the decoder's stack."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:  # cannot nest deeper: no scan (fast, C)
+        return
+    depth, in_string, escaped = 0, False, False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > limit:
+                raise RequestError(f"the request body nests JSON deeper than {limit} levels")
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+
+
 def decode_request(raw: bytes | dict[str, Any], kind: type[msgspec.Struct]) -> Any:
     """Decode JSON bytes (or an already-parsed dict) into ``kind``; errors name the field."""
+    if isinstance(raw, (bytes, bytearray)):
+        check_json_depth(raw)
+    elif isinstance(raw, str):
+        check_json_depth(raw.encode("utf-8", "surrogatepass"))
     try:
         if isinstance(raw, (bytes, bytearray, str)):
             return msgspec.json.decode(raw, type=kind)
@@ -86,14 +118,17 @@ def decode_request(raw: bytes | dict[str, Any], kind: type[msgspec.Struct]) -> A
 def sampling_params(request: _Sampling, default_max_tokens: int, logprobs: int = 0) -> SamplingParams:
     if request.n != 1:
         raise RequestError("only n=1 is supported", param="n")
-    max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens
+    max_tokens = getattr(request, "max_completion_tokens", None)
+    max_tokens = request.max_tokens if max_tokens is None else max_tokens
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     if not 0 <= logprobs <= MAX_LOGPROBS:
         raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
     try:
         return SamplingParams(
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-            temperature=request.temperature,
+            # Below MIN_TEMPERATURE sampling is greedy in the limit, and the scaled logits
+            # would overflow: such a request is served greedy.
+            temperature=0.0 if 0.0 < request.temperature < MIN_TEMPERATURE else request.temperature,
             top_p=request.top_p,
             top_k=request.top_k,
             seed=request.seed,

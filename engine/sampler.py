@@ -16,6 +16,7 @@ from raymoe.engine.sequence import Sequence
 
 
 TopLogprobs = list[tuple[int, float]]
+MIN_TEMPERATURE = 1e-5  # below this a request is greedy (the limit of sampling as T -> 0)
 
 
 def sample(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
@@ -48,8 +49,10 @@ def sample(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], 
 def _filtered_probs(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
     """Temperature, top-k, top-p over ``logits: [R, V]``; returns probabilities ``[R, V]``."""
     vocab = logits.shape[1]
-    temperature = torch.tensor([s.params.temperature for s in sequences], dtype=logits.dtype)
-    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in sequences])
+    # Bounds that keep the math finite whatever a request asked for: a temperature below
+    # MIN_TEMPERATURE would overflow the scaled logits, a top-k past the vocabulary means all.
+    temperature = torch.tensor([max(s.params.temperature, MIN_TEMPERATURE) for s in sequences], dtype=logits.dtype)
+    top_k = torch.tensor([min(s.params.top_k, vocab) if s.params.top_k > 0 else vocab for s in sequences])
     top_p = torch.tensor([s.params.top_p for s in sequences], dtype=logits.dtype)
     scaled = logits / temperature.unsqueeze(1)
     sorted_logits, sorted_index = torch.sort(scaled, dim=-1, descending=True)  # [R, V]
@@ -57,7 +60,8 @@ def _filtered_probs(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Te
     drop = rank >= top_k.clamp(max=vocab).unsqueeze(1)  # top-k
     sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
-    drop |= before >= top_p.unsqueeze(1)  # top-p keeps the smallest prefix reaching top_p (>= 1 token)
+    drop |= before >= top_p.unsqueeze(1)  # top-p keeps the smallest prefix reaching top_p
+    drop[:, 0] = False  # ...and always the most likely token, however small top_p is
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     filtered = torch.full_like(scaled, float("-inf")).scatter_(1, sorted_index, sorted_logits)
     return torch.softmax(filtered, dim=-1)

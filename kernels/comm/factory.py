@@ -12,6 +12,7 @@ ranks on different machines cannot resolve it differently.
 from __future__ import annotations
 
 import enum
+import secrets
 import socket
 from dataclasses import dataclass
 
@@ -33,9 +34,9 @@ class CommBackend(enum.Enum):
 
 @dataclass(frozen=True)
 class GlooRendezvous:
-    host: str  # where rank 0 serves the rendezvous store
+    host: str  # where rank 0 serves the rendezvous store (that address only)
     port: int
-    group_name: str = "raymoe"
+    group_name: str = "raymoe"  # with the secret appended by new_rendezvous: keys live under it
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,9 @@ def new_rendezvous(
         from raymoe.kernels.comm.nccl import nccl_unique_id
 
         return NcclRendezvous(nccl_unique_id())
-    return GlooRendezvous(host, free_port(host) if port is None else port, group_name)
+    # A per-group secret in the store's key prefix: the rendezvous reaches the ranks through Ray
+    # (authenticated), and a client of the store that does not know it finds no group.
+    return GlooRendezvous(host, free_port(host) if port is None else port, f"{group_name}/{secrets.token_hex(16)}")
 
 
 def make_communicator(
@@ -74,6 +77,7 @@ def make_communicator(
     world_size: int,
     timeout_s: float,
     device: torch.device | int | None = None,
+    bind_host: str | None = None,
 ) -> Communicator:
     """Joins the group named by `rendezvous` as `rank`; blocks until all ranks joined, then
     runs a warm-up barrier (every rank must call this together): NCCL connects pairs lazily
@@ -81,6 +85,7 @@ def make_communicator(
     inside the first real collective.
 
     device: the GPU of an NCCL rank (torch's current device by default); unused by gloo.
+    bind_host: gloo only, the address this rank's connections bind (its node's address).
     """
     backend = backend.resolve()
     expected_type = RENDEZVOUS_TYPES[backend]
@@ -97,7 +102,8 @@ def make_communicator(
         from raymoe.kernels.comm.gloo import GlooCommunicator
 
         comm = GlooCommunicator.create(
-            rank, world_size, rendezvous.host, rendezvous.port, timeout_s, group_name=rendezvous.group_name
+            rank, world_size, rendezvous.host, rendezvous.port, timeout_s, group_name=rendezvous.group_name,
+            bind_host=bind_host,
         )
     try:
         comm.barrier(tag="warm-up")

