@@ -13,6 +13,7 @@ router keeps serving with the epoch it uses; rows are freed when no epoch uses t
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import deque
@@ -30,6 +31,9 @@ from raymoe.kernels.comm import CommBackend, make_communicator, new_rendezvous
 from raymoe.kernels.comm.base import Communicator
 from raymoe.moe.model_config import load_model_config
 from raymoe.moe.placement import PlacementTable
+
+
+LOG = logging.getLogger("raymoe.worker")
 
 
 class ExpertWorker:
@@ -109,6 +113,7 @@ class ExpertWorker:
         comm = make_communicator(
             CommBackend(backend), rendezvous, rank=rank, world_size=layout.world_size, timeout_s=timeout_s,
             device=self.device if self.device.type == "cuda" else None,
+            bind_host=ray.util.get_node_ip_address(),
         )
         exchange = WorkerExchange(comm, layout, self.slots, self.config.hidden_size, self.config.top_k, self.dtype,
                                   self.device)
@@ -157,6 +162,7 @@ class ExpertWorker:
         self.migration_comm = make_communicator(
             CommBackend(backend), rendezvous, rank=self.worker, world_size=world_size, timeout_s=timeout_s,
             device=self.device if self.device.type == "cuda" else None,
+            bind_host=ray.util.get_node_ip_address(),
         )
 
     def migrate(self, epoch: int, layer: int, new_epoch: int, sends: list[tuple[int, int]],
@@ -224,14 +230,28 @@ class ExpertWorker:
                     continue  # unchanged, or staged above
                 if expert in base_experts[layer]:  # already held in another slot: re-point, no copy
                     rows[layer][slot] = base_rows[layer][base_experts[layer].index(expert)]
-                elif expert >= 0:
-                    raise RuntimeError(
-                        f"worker {self.worker}: epoch {epoch} puts expert {expert} in layer {layer} slot {slot} "
-                        f"but it was neither staged nor held here (the slot held expert {base_experts[layer][slot]})"
-                    )
+                elif expert >= 0:  # the plan sent no copy: read it from the checkpoint (same weights)
+                    LOG.warning("worker %d: epoch %d puts expert %d in layer %d slot %d, but no copy was staged "
+                                "(the slot held expert %d); loading it from the checkpoint", self.worker, epoch,
+                                expert, layer, slot, base_experts[layer][slot])
+                    rows[layer][slot] = self._load_into_free_row(layer, expert, rows)
         self.slot_rows[epoch] = rows
         self.experts[epoch] = experts
         self._publish_pool_rows()
+
+    def _load_into_free_row(self, layer: int, expert: int, pending: list[list[int]]) -> int:
+        """Read one expert of MoE layer ``layer`` from the checkpoint into a free pool row."""
+        used = {r for rows in self.slot_rows.values() for r in rows[layer]} | set(pending[layer])
+        used |= {row for (_, staged_layer, _), row in self.staged.items() if staged_layer == layer}
+        free = [r for r in range(self.w13[layer].shape[0]) if r not in used]
+        if not free:
+            raise RuntimeError(f"worker {self.worker} layer {layer}: no free pool row for expert {expert}; "
+                               "lower balancer.max_copies_per_rebalance")
+        w13, w2 = load_expert_stack(Checkpoint(self.model_dir), self.config, self.config.moe_layers[layer], [expert],
+                                    self.dtype, self.device)
+        self.w13[layer][free[0]].copy_(w13[0])
+        self.w2[layer][free[0]].copy_(w2[0])
+        return free[0]
 
     def retire(self, epochs_below: int) -> None:
         """Forget every epoch older than ``epochs_below``; their pool rows become free."""

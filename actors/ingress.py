@@ -42,6 +42,7 @@ from raymoe.engine.tokenizer import Tokenizer
 
 LOG = logging.getLogger("raymoe.ingress")
 HEALTH_TIMEOUT_S = 5.0
+REPLICA_HEADER = "x-raymoe-replica"  # which ingress replica answered (Serve's replica id)
 PREPARE_THREADS = 4  # bodies validated, tokenized and templated at once, off the event loop
 RETRY_AFTER_S = 1
 ROUTER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
@@ -75,12 +76,16 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 @serve.deployment(name="raymoe", num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.01})
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, config: dict[str, Any], admin_token: str | None = None):
-        from raymoe.cluster.deploy import deploy, engine_config
+    def __init__(self, config: dict[str, Any], admin_token: str | None = None, attach_to: str | None = None):
+        """``attach_to``: serve the running deployment of that name (``raymoe serve`` starts it
+        first; any number of replicas may share it). None: this replica deploys its own (``serve
+        run`` with :func:`build_app`), so it lives and dies with it, and there is one replica."""
+        from raymoe.cluster.deploy import attach, deploy, engine_config
 
         self.admin_token = admin_token or None
         self.config: ClusterConfig = parse_cluster_config(config)
-        self.deployment = deploy(self.config, name="raymoe")
+        self.deployment = attach(self.config, attach_to) if attach_to else deploy(self.config, name="raymoe")
+        self.owns_deployment = attach_to is None
         model = self.deployment.model_config
         model_dir = self.config.model
         try:
@@ -93,8 +98,16 @@ class OpenAIIngress:
         self.limits = ModelLimits(name, model.vocab_size, max_len)
         self.metrics = ServingMetrics(self.deployment.placement.slots_per_worker)
         self.in_flight = [0] * len(self.deployment.routers)
-        # A router batches max_num_seqs requests and queues at most max_queued_per_router more.
-        self.admission_limit = self.config.engine.max_num_seqs + self.config.serve.max_queued_per_router
+        # A router batches max_num_seqs requests and queues at most max_queued_per_router more;
+        # each replica admits its share of that (it sees only its own requests in flight).
+        replicas = self.config.serve.replicas if self.config.serve.autoscaling is None else max(
+            1, int(self.config.serve.autoscaling.get("min_replicas", 1)))
+        self.admission_limit = -(-(self.config.engine.max_num_seqs + self.config.serve.max_queued_per_router)
+                                 // replicas)
+        try:
+            self.replica = serve.get_replica_context().replica_id.unique_id  # for REPLICA_HEADER
+        except Exception:  # outside a Serve replica
+            self.replica = str(os.getpid())
         self.created = int(time.time())
         self._ids = itertools.count()
         # One subscription per router carries every delta of this replica's requests, one
@@ -129,7 +142,8 @@ class OpenAIIngress:
             return JSONResponse({"status": "unhealthy", "reason": f"{type(error).__name__}: {error}"[:500]},
                                 status_code=503)
         return JSONResponse({"status": "ok", "routers": len(self.deployment.routers),
-                             "expert_workers": len(self.deployment.workers)})
+                             "expert_workers": len(self.deployment.workers)},
+                            headers={REPLICA_HEADER: self.replica, f"{REPLICA_HEADER}-pid": str(os.getpid())})
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -192,7 +206,8 @@ class OpenAIIngress:
             return JSONResponse(error.body(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         self.metrics.prompt_tokens.inc(len(prepared.prompt_ids))
         if prepared.stream:
-            return StreamingResponse(self._sse(prepared, request_id, arrived, label), media_type="text/event-stream")
+            return StreamingResponse(self._sse(prepared, request_id, arrived, label), media_type="text/event-stream",
+                                     headers={REPLICA_HEADER: self.replica})
         status = 500
         try:
             output = await self._unless_disconnected(request, self._collect(prepared, request_id, arrived))
@@ -202,7 +217,8 @@ class OpenAIIngress:
             if isinstance(output, StepFailure):
                 status = output.status
                 return self._failure_response(output)
-            response = JSONResponse(response_body(prepared, output, self.tokenizer, request_id, self.limits.name))
+            response = JSONResponse(response_body(prepared, output, self.tokenizer, request_id, self.limits.name),
+                                    headers={REPLICA_HEADER: self.replica})
             status = 200
             return response
         finally:
@@ -417,6 +433,15 @@ class OpenAIIngress:
     def _chunk(self, request_id: str, chat: bool, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": self.limits.name, "choices": choices}
+
+
+def ingress_app(config: ClusterConfig, admin_token: str | None, attach_to: str) -> serve.Application:
+    """The HTTP ingress of a running deployment: ``serve.replicas`` replicas (or Serve's
+    autoscaling, ``serve.autoscaling`` passed through), each attached to it by name."""
+    options: dict[str, Any] = {"num_replicas": config.serve.replicas}
+    if config.serve.autoscaling is not None:
+        options = {"autoscaling_config": dict(config.serve.autoscaling)}
+    return OpenAIIngress.options(**options).bind(config.to_dict(), admin_token, attach_to)
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:

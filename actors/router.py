@@ -367,17 +367,23 @@ class Router:
         """Every delta of ``subscriber``'s requests, one list per step (all of them at once
         when the caller fell behind): one streamed item per step, however many requests."""
         target = self._subscriber_queue(subscriber)
-        while not self._stopped:
-            try:
-                batch = target.get(timeout=IDLE_SUBSCRIBER_WAIT_S)
-            except queue.Empty:
-                continue
-            while True:
+        try:
+            while not self._stopped:
                 try:
-                    batch += target.get_nowait()
+                    batch = target.get(timeout=IDLE_SUBSCRIBER_WAIT_S)
                 except queue.Empty:
-                    break
-            yield batch
+                    continue
+                while True:
+                    try:
+                        batch += target.get_nowait()
+                    except queue.Empty:
+                        break
+                yield batch
+        finally:  # the subscriber is gone (its ingress replica died): nobody reads these requests
+            if not self._stopped:
+                for request_id, (queue_, _) in list(self._queues.items()):
+                    if queue_ is target:
+                        self.abort(request_id)
 
     def _subscriber_queue(self, subscriber: str) -> queue.Queue:
         with self._lock:

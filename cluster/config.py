@@ -155,6 +155,8 @@ class ServeSection(_Section):
     max_body_bytes: Positive = 1 << 20  # larger request bodies get 413
     max_queued_per_router: Annotated[int, msgspec.Meta(ge=0)] = 256  # beyond max_num_seqs + this: 503
     served_model_name: str | None = None  # default: the checkpoint directory's name
+    replicas: Positive = 1  # HTTP ingress replicas (Serve); they share one cluster
+    autoscaling: dict[str, Any] | None = None  # Serve's autoscaling_config, passed through (replaces replicas)
 
 
 class ClusterConfig(_Section):
@@ -254,6 +256,10 @@ def _cross_field_problem(config: ClusterConfig) -> str | None:
     is_explicit = placement.strategy is PlacementStrategy.EXPLICIT
     if not config.model:
         return "model: expected a checkpoint path; got ''"
+    several = config.serve.replicas > 1 or config.serve.autoscaling is not None
+    if several and config.serve.ingress is IngressMode.DIRECT:
+        return ("serve.ingress: direct serves one replica on serve.port; with serve.replicas > 1 or "
+                "serve.autoscaling use proxy (or auto), which balances requests over the replicas")
     if config.comm.backend is CommBackend.GLOO and config.device is Device.CUDA:
         # gloo moves CPU tensors only: every dispatch on GPU activations would fail, and
         # recovery would rebuild the same gloo group and fail again, forever. (device auto
