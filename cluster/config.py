@@ -223,6 +223,9 @@ def load_cluster_config(
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"{source}: cannot read config: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{source}: a config must be UTF-8 text; byte {exc.start} is not "
+                              f"({exc.object[exc.start:exc.start + 1]!r})") from None
         default_dir = path.resolve().parent
     data = _parse_yaml(text, source)
     return parse_cluster_config(data, source, base_dir=base_dir or default_dir)
@@ -312,8 +315,33 @@ def _parse_yaml(text: str, source: str) -> Any:
         raise ConfigError(f"{source}: invalid YAML: {exc}") from None
 
 
+MAX_YAML_ALIASES = 64  # a config needs few; 9 levels of 9 make a 400-byte billion-laughs bomb
+MAX_YAML_NODES = 100_000
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last)."""
+    """SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last), and
+    bounds aliases and nodes while composing, before anything expands."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self._aliases = getattr(self, "_aliases", 0) + 1
+            if self._aliases > MAX_YAML_ALIASES:
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(None, None, f"more than {MAX_YAML_ALIASES} aliases (*name)",
+                                                  event.start_mark)
+        self._nodes = getattr(self, "_nodes", 0) + 1
+        if self._nodes > MAX_YAML_NODES:
+            raise yaml.composer.ComposerError(None, None, f"more than {MAX_YAML_NODES} YAML nodes",
+                                              self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_sequence(self, node, deep=False):
+        self._expanded = getattr(self, "_expanded", 0) + len(node.value)
+        if self._expanded > MAX_YAML_NODES:
+            raise yaml.constructor.ConstructorError(None, None, f"the YAML expands to more than {MAX_YAML_NODES} "
+                                                    "values (aliases nested in aliases?)", node.start_mark)
+        return super().construct_sequence(node, deep=deep)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set[Any] = set()
