@@ -34,5 +34,5 @@ def test_a_few_aliases_still_work():
 def test_non_utf8_bytes_name_the_file_and_the_byte(tmp_path):
     path = tmp_path / "latin1.yaml"
     path.write_bytes(b"model: /m\nserve:\n  served_model_name: caf\xe9\n")
-    with pytest.raises(ConfigError, match=r"latin1.yaml: a config must be UTF-8 text; byte 40"):
+    with pytest.raises(ConfigError, match=r"latin1.yaml: a config must be UTF-8 text; byte 41"):
         load_cluster_config(str(path))
