@@ -27,6 +27,7 @@ from raymoe.actors.controller import Controller, join_ep_group
 from raymoe.actors.expert_worker import ExpertWorker
 from raymoe.actors.router import Router, StepFailure
 from raymoe.cluster.config import ClusterConfig
+from raymoe.cluster.ray_connect import connect, requested_address
 from raymoe.engine.checkpoint import Checkpoint
 from raymoe.engine.engine import EngineConfig, RequestOutput
 from raymoe.engine.sampling_params import SamplingParams
@@ -45,7 +46,8 @@ class RequestFailed(RuntimeError):
 
 NAMESPACE = "raymoe"  # where named actors live, whoever created them (a CLI, a Serve replica)
 CPU_SLIVER = 0.01  # CPU share of an actor on a CPU-only machine
-ACTOR_CONCURRENCY_SLACK = 4  # calls a worker must answer beside one serve_step per router
+ACTOR_CONCURRENCY_SLACK = 4  # calls a worker must answer at once (info, migration, re-join)
+ROUTER_CONCURRENCY = 32  # threads a router answers calls on
 
 
 def engine_config(config: ClusterConfig) -> EngineConfig:
@@ -124,6 +126,30 @@ class Deployment:
         for actor in [self.controller, *self.routers, *self.workers]:
             ray.kill(actor, no_restart=True)
         remove_placement_group(self.group)
+
+
+def attach(config: ClusterConfig, name: str = "raymoe", namespace: str = NAMESPACE) -> Deployment:
+    """The running deployment ``name`` (started by :func:`deploy`, e.g. by ``raymoe serve``),
+    found by its actors' names: what an HTTP ingress replica serves, however many there are."""
+    def actor(suffix: str) -> Any:
+        try:
+            return ray.get_actor(f"{name}-{suffix}", namespace=namespace)
+        except ValueError:
+            raise RuntimeError(f"no running raymoe deployment {name!r} in Ray namespace {namespace!r}: "
+                               f"actor {name}-{suffix} not found (start it with raymoe serve)") from None
+
+    routers = [actor(f"router-{r}") for r in range(config.routers)]
+    workers = [actor(f"worker-{w}") for w in range(config.expert_workers)]
+    controller = actor("controller")
+    status = ray.get(controller.status.remote(), timeout=60)
+    infos = ray.get([w.info.remote() for w in workers], timeout=60)
+    placement = PlacementTable.from_phy2log(status["placement"], status["slots_per_worker"],
+                                            load_model_config(config.model).num_experts, status["worker2node"],
+                                            status["epoch"])
+    from ray.util import get_placement_group
+
+    return Deployment(config, load_model_config(config.model), placement, routers, workers, controller,
+                      get_placement_group(f"{name}-workers"), [info["node_id"] for info in infos])
 
 
 def _wait_loaded(workers: list[Any], routers: list[Any], timeout_s: float) -> None:
@@ -210,7 +236,9 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     routers = [
         router_class.options(
             num_cpus=0 if gpus else CPU_SLIVER, num_gpus=1 if gpus else 0,
-            max_concurrency=config.engine.max_num_seqs + ACTOR_CONCURRENCY_SLACK, max_restarts=-1,
+            # Calls return at once (requests and aborts wait in the router's inbox), except one
+            # subscription stream per ingress replica and run-batch's generate calls.
+            max_concurrency=ROUTER_CONCURRENCY, max_restarts=-1,
             name=f"{name}-router-{r}", namespace=namespace,
         ).remote(f"router-{r}", config.model, engine_config(config), placement.to_dict(), workers,
                  backend.value, config.comm.timeout_s, r, config.routers)
@@ -237,12 +265,19 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
 
 
 def ensure_ray(address: str | None = None) -> None:
-    """Connect to ``address`` (or RAY_ADDRESS), or start a local Ray listening on loopback."""
+    """Connect to ``address`` (or RAY_ADDRESS) exactly as given, or start a Ray of this
+    process's own, listening on loopback.
+
+    With no address this never attaches to a cluster it finds by itself: ``ray.init()``
+    would join /tmp/ray/ray_current_cluster's cluster or any other one on the machine (a
+    test's, another user's), so a local run starts its own with ``address="local"``.
+    ``auto`` is used only when it is the address given. Token authentication and errors:
+    :mod:`raymoe.cluster.ray_connect` (AuthenticationFailed, ClusterUnreachable)."""
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS")
+    address = requested_address(address)
     if address:
-        ray.init(address=address)
+        connect(address)
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(include_dashboard=False)
+    ray.init(address="local", include_dashboard=False)

@@ -22,6 +22,7 @@ from raymoe.cluster.config import ClusterConfig, ConfigError, IngressMode, load_
 from raymoe.kernels.comm.factory import free_port
 
 READY_TIMEOUT_S = 900
+DEPLOYMENT_NAME = "raymoe"  # the named actors HTTP replicas attach to (raymoe status finds them too)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -29,7 +30,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("config", nargs="?", help="cluster config YAML (default: the embedded demo config)")
     parser.add_argument("--host", default=None, help="override serve.host")
     parser.add_argument("--port", type=int, default=None, help="override serve.port")
-    parser.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
+    parser.add_argument("--address", default=None,
+                        help="Ray cluster to join, HOST:PORT, used as given (default: RAY_ADDRESS, else a Ray of its own; "
+                             "'auto' joins the cluster this machine started last)")
     parser.set_defaults(func=_run)
 
 
@@ -55,6 +58,10 @@ def _run(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as error:
         print(f"raymoe serve: {error}", file=sys.stderr)
         return 2
+    problem = _checkpoint_problem(config.model)
+    if problem is not None:  # before Ray or any actor starts: one line, exit 2
+        print(f"raymoe serve: {problem}", file=sys.stderr)
+        return 2
     serve_section = msgspec.structs.replace(
         config.serve,
         host=args.host or config.serve.host,
@@ -66,23 +73,40 @@ def _run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from raymoe.actors.ingress import OpenAIIngress
-    from raymoe.cluster.deploy import ensure_ray
+    from raymoe.actors.ingress import ingress_app
+    from raymoe.cluster.deploy import deploy, ensure_ray
+    from raymoe.cluster.ray_connect import ClusterUnreachable
 
     stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    deployment = None
+
+    def on_signals() -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stop.set())
+
+    on_signals()
     url = f"http://{config.serve.host}:{config.serve.port}"
     try:
-        ensure_ray(args.address)
+        try:
+            ensure_ray(args.address)
+        except ClusterUnreachable as error:  # AuthenticationFailed says "authentication failed: ..."
+            print(f"raymoe serve: {error}", file=sys.stderr)
+            return 1
+        on_signals()  # ray.init installs Ray's own SIGTERM handler (it aborts the process): ours again
+        gcs = ray.get_runtime_context().gcs_address
+        print(f"raymoe serve: on the Ray cluster at {gcs} ({'its own' if started_ray else 'joined'}; "
+              f"raymoe status --address {gcs})", file=sys.stderr)
         print(f"raymoe serve: starting {config.routers} routers and {config.expert_workers} expert workers "
               f"for {config.model}", file=sys.stderr)
         # Direct ingress: the replica listens on serve.port itself; Serve still starts its
         # proxy, which then gets a free loopback port of its own that nothing uses.
         proxy_port = free_port(config.serve.host) if direct else config.serve.port
+        # The cluster first (routers, workers, controller: named actors this process owns, so
+        # they go when it goes), then the stateless HTTP replicas that attach to it by name.
+        deployment = deploy(config, name=DEPLOYMENT_NAME)
         serve.start(http_options={"host": config.serve.host, "port": proxy_port})
         admin_token = os.environ.get("RAYMOE_ADMIN_TOKEN")
-        serve.run(OpenAIIngress.bind(config.to_dict(), admin_token), name="raymoe", route_prefix="/")
+        serve.run(ingress_app(config, admin_token, DEPLOYMENT_NAME), name="raymoe", route_prefix="/")
         if not _wait_healthy(url, stop):
             if stop.is_set():
                 print("raymoe serve: interrupted before the endpoint was ready; shutting down", file=sys.stderr)
@@ -98,11 +122,29 @@ def _run(args: argparse.Namespace) -> int:
         print("raymoe serve: shutting down", file=sys.stderr)
         return 0
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            if started_ray:
-                ray.shutdown()
+        if ray.is_initialized():  # serve.shutdown() without Ray would ray.init() and attach anywhere
+            try:
+                serve.shutdown()
+                if deployment is not None:
+                    deployment.shutdown()
+            finally:
+                if started_ray:
+                    ray.shutdown()
+
+
+def _checkpoint_problem(model_dir: str) -> str | None:
+    """What is wrong with the checkpoint, in one line naming it, or None (headers only: fast)."""
+    from raymoe.engine.checkpoint import Checkpoint
+    from raymoe.engine.weights import validate_checkpoint
+    from raymoe.moe.model_config import load_model_config
+
+    try:
+        validate_checkpoint(Checkpoint(model_dir), load_model_config(model_dir))
+    except (OSError, ValueError, KeyError) as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        detail = "; ".join(lines[:3]) + (f" (and {len(lines) - 3} more)" if len(lines) > 3 else "")
+        return f"checkpoint {model_dir}: {detail or type(error).__name__}"
+    return None
 
 
 def _ray_initialized() -> bool:
@@ -117,7 +159,8 @@ def _direct_ingress(config: ClusterConfig, started_ray: bool) -> bool:
     controller and replicas, so it is set here, before this process starts a local Ray; on an
     existing cluster the nodes must have been started with it (docs/DEPLOY.md)."""
     mode = config.serve.ingress
-    direct = mode is IngressMode.DIRECT or (mode is IngressMode.AUTO and started_ray)
+    one_replica = config.serve.replicas == 1 and config.serve.autoscaling is None
+    direct = mode is IngressMode.DIRECT or (mode is IngressMode.AUTO and started_ray and one_replica)
     if direct and started_ray:
         port = config.serve.port
         os.environ.update({

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -18,7 +17,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ("rebalance", "ask the controller to re-plan and migrate now", _rebalance),
     ):
         parser = subparsers.add_parser(name, help=help_text)
-        parser.add_argument("--address", default=None, help="Ray cluster (default: RAY_ADDRESS, else auto)")
+        parser.add_argument("--address", default=None,
+                            help="Ray cluster, HOST:PORT (default: RAY_ADDRESS, else auto: the cluster this machine "
+                                 "started last; name it on a shared host)")
         parser.add_argument("--namespace", default=NAMESPACE, help="Ray namespace of the deployment")
         parser.add_argument("--json", action="store_true", help="machine-readable output")
         parser.set_defaults(func=func)
@@ -27,13 +28,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _controller(args: argparse.Namespace):
     import ray
 
-    address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
+    from raymoe.cluster.ray_connect import ClusterUnreachable, connect, requested_address
+
+    address = requested_address(args.address) or "auto"
     try:
-        ray.init(address=address, namespace=args.namespace, logging_level="ERROR", log_to_driver=False)
+        connect(address, namespace=args.namespace, logging_level="ERROR", log_to_driver=False)
+    except ClusterUnreachable as error:  # AuthenticationFailed says "authentication failed: ..."
+        print(f"raymoe {getattr(args, 'command', 'status')}: {error}", file=sys.stderr)
+        return None
+    try:
         return ray.get_actor(CONTROLLER_NAME)
-    except (ConnectionError, ValueError) as error:
-        print(f"raymoe: no running raymoe deployment found at {address} (namespace {args.namespace}): {error}",
-              file=sys.stderr)
+    except ValueError as error:
+        print(f"raymoe {getattr(args, 'command', 'status')}: no running raymoe deployment found at {address} "
+              f"(namespace {args.namespace}): {error}", file=sys.stderr)
         return None
 
 
