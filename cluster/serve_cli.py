@@ -161,6 +161,8 @@ def _direct_ingress(config: ClusterConfig, started_ray: bool) -> bool:
     mode = config.serve.ingress
     one_replica = config.serve.replicas == 1 and config.serve.autoscaling is None
     direct = mode is IngressMode.DIRECT or (mode is IngressMode.AUTO and started_ray and one_replica)
+    if started_ray and not direct:  # an inherited setting must not turn a local proxy into direct ingress
+        os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "0"
     if direct and started_ray:
         port = config.serve.port
         os.environ.update({

@@ -17,11 +17,17 @@ DIRECT_VARS = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_MIN_
                "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S")
 
 
+ALL_VARS = (*DIRECT_VARS, "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT",
+            "RAY_SERVE_DIRECT_INGRESS_PORT_RETRY_COUNT")
+
+
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("RAY_SERVE_DIRECT_INGRESS") or name == "RAY_SERVE_ENABLE_DIRECT_INGRESS":
-            monkeypatch.delenv(name)
+    """Absent for the test, and absent again afterwards: what _direct_ingress writes must not
+    leak into later tests' server processes (they inherit this process's environment)."""
+    for name in ALL_VARS:
+        monkeypatch.setenv(name, "x")  # records the original state, restored at teardown
+        monkeypatch.delenv(name)
     yield
 
 
@@ -39,6 +45,9 @@ def test_mode_decides_the_path(clean_env, mode, started_ray, direct):
         assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8321"
         assert os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8322"
         assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "0"
+    elif started_ray:  # a local proxy: an inherited direct-ingress setting is switched off
+        assert os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"
+        assert not any(name in os.environ for name in DIRECT_VARS[1:])
     else:  # an existing cluster's Serve reads its own environment: nothing is set here
         assert not any(name in os.environ for name in DIRECT_VARS)
 
