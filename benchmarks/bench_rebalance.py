@@ -3,7 +3,9 @@
 A DeepSeek-V3-style random checkpoint (hidden 256, 4 layers, 8 experts, top-2) whose gate
 always picks experts 0 and 1 (large score-correction bias), served by 1 router and 4 CPU
 expert workers with both hot experts on worker 0. The same workload runs before and after
-one rebalance by the controller; the router's telemetry gives the mean step split.
+one rebalance by the controller; the router's telemetry gives the mean step split. The
+greedy outputs before and after the rebalance must equal each other and the in-process
+engine's: otherwise the script exits non-zero and prints no speed figures.
 
     python benchmarks/bench_rebalance.py [--requests 32] [--tokens 16]
 """
@@ -12,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
+from collections import Counter
 
 import ray
 import torch
@@ -22,6 +26,7 @@ from common import machine_description, workload
 from raymoe.cluster.config import parse_cluster_config
 from raymoe.cluster.deploy import deploy
 from raymoe.engine.demo_tokenizer import write_demo_tokenizer
+from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.sampling_params import SamplingParams
 
 
@@ -46,14 +51,14 @@ def build_skewed(path: str) -> None:
     write_demo_tokenizer(path, 512)
 
 
-def run(deployment, prompts, params) -> dict[str, float]:
+def run(deployment, prompts, params) -> dict:
     skip = len(deployment.telemetry()[0]["steps"])
     started = time.perf_counter()
-    deployment.generate(prompts, params)
+    outputs = deployment.generate(prompts, params)
     wall = time.perf_counter() - started
     steps = deployment.telemetry()[0]["steps"][skip:]
     mean = {k: 1e3 * sum(s[k] for s in steps) / len(steps) for k in ("dense_s", "dispatch_s", "expert_s", "combine_s")}
-    return {"wall_s": wall, "steps": len(steps), **mean}
+    return {"wall_s": wall, "steps": len(steps), "outputs": [o.output_token_ids for o in outputs], **mean}
 
 
 def main() -> None:
@@ -66,7 +71,9 @@ def main() -> None:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     with tempfile.TemporaryDirectory() as path:
         build_skewed(path)
-        ray.init(include_dashboard=False)
+        expected = [o.output_token_ids for o in
+                    LLMEngine.from_pretrained(path, EngineConfig(dtype="float32")).generate(prompts, params)]
+        ray.init(address="local", include_dashboard=False)
         config = parse_cluster_config({
             "model": path, "device": "cpu", "dtype": "float32", "routers": 1, "expert_workers": 4,
             "placement": {"strategy": "explicit",
@@ -85,6 +92,16 @@ def main() -> None:
         finally:
             deployment.shutdown()
             ray.shutdown()
+    same_before = sum(a == b for a, b in zip(before["outputs"], expected))
+    same_after = sum(a == b for a, b in zip(after["outputs"], expected))
+    print(f"identical greedy outputs vs the in-process engine: before {same_before}/{len(prompts)}, "
+          f"after {same_after}/{len(prompts)}")
+    if not report.get("rebalanced"):
+        print(f"the controller did not rebalance ({report.get('reason')}): nothing to measure", file=sys.stderr)
+        sys.exit(1)
+    if same_before != len(prompts) or same_after != len(prompts):
+        print("outputs changed: refusing to report speed figures", file=sys.stderr)
+        sys.exit(1)
     print(f"machine: {machine_description()}")
     print(f"{'':>8} | {'wall s':>7} {'steps':>5} | per step ms: {'dense':>7} {'dispatch':>8} {'experts':>8} "
           f"{'combine':>8} | balancedness")
@@ -93,9 +110,11 @@ def main() -> None:
               f"{row['dispatch_s']:8.2f} {row['expert_s']:8.2f} {row['combine_s']:8.2f} | {balance:.3f}")
     print(f"step time after / before: {(after['wall_s'] / after['steps']) / (before['wall_s'] / before['steps']):.2f}x; "
           f"slowest-worker expert time after / before: {after['expert_s'] / before['expert_s']:.2f}x")
-    print(f"one rebalance: {report['copies']} expert copies, {report['bytes_moved'] / 2**20:.2f} MiB moved in "
-          f"{report['seconds']:.3f} s (epoch {report['epoch']}); balancedness {report['balancedness_before']:.3f} -> "
-          f"{report['balancedness_predicted']:.3f} predicted")
+    per_layer = Counter(copy["layer"] for copy in report["moved"])
+    print(f"one rebalance: {report['copies']} expert copies ("
+          + ", ".join(f"layer {layer}: {per_layer[layer]}" for layer in sorted(per_layer))
+          + f"), {report['bytes_moved'] / 2**20:.2f} MiB moved in {report['seconds']:.3f} s (epoch {report['epoch']}); "
+          f"balancedness {report['balancedness_before']:.3f} -> {report['balancedness_predicted']:.3f} predicted")
 
 
 if __name__ == "__main__":

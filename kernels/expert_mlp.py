@@ -11,12 +11,13 @@ Two implementations behind one function:
 - a loop over non-empty slots with one fused gate/up GEMM and one down GEMM each (CPU,
   and any device);
 - ``torch._grouped_mm`` (one kernel for all slots) where torch offers it on CUDA with
-  bfloat16 weights.
+  bfloat16 weights and the layout it accepts (every row 16-byte aligned: D and I multiples
+  of 8). Which one runs is decided up front from dtype, device and shapes; a failure of
+  ``torch._grouped_mm`` on a layout chosen for it is a bug and raises, never a silent
+  fall back to the (slower) loop.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -49,13 +50,8 @@ def grouped_swiglu(
         raise ValueError(f"slot rows {slot_rows} fall outside the {w13.shape[0]} stacked experts")
     if sum(counts) != x.shape[0]:
         raise ValueError(f"slot counts sum to {sum(counts)} but x has {x.shape[0]} rows")
-    if slot_rows != list(range(w13.shape[0])):
-        return _grouped_swiglu_loop(x, counts, w13, w2, slot_rows)
-    if x.is_cuda and _can_grouped_mm(x, w13):
-        try:
-            return _grouped_swiglu_cuda(x, counts, w13, w2)
-        except RuntimeError as error:  # layouts this torch build's kernel refuses: the loop is exact too
-            warnings.warn(f"torch._grouped_mm failed ({error}); using per-expert GEMMs", stacklevel=2)
+    if slot_rows == list(range(w13.shape[0])) and _use_grouped_mm(x, w13, w2):
+        return _grouped_swiglu_cuda(x, counts, w13, w2)  # errors propagate: see the module doc
     return _grouped_swiglu_loop(x, counts, w13, w2, slot_rows)
 
 
@@ -77,6 +73,12 @@ def _grouped_swiglu_loop(
     return out
 
 
+def _use_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether this call takes ``torch._grouped_mm``: a CUDA device that has it, bfloat16,
+    and a layout it accepts."""
+    return x.is_cuda and _can_grouped_mm(x, w13) and _grouped_mm_layout_ok(x, w13, w2)
+
+
 def _can_grouped_mm(x: torch.Tensor, w13: torch.Tensor) -> bool:
     return (
         hasattr(torch, "_grouped_mm")
@@ -84,6 +86,14 @@ def _can_grouped_mm(x: torch.Tensor, w13: torch.Tensor) -> bool:
         and w13.dtype == torch.bfloat16
         and torch.cuda.get_device_capability(x.device)[0] >= 9
     )
+
+
+def _grouped_mm_layout_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` needs every operand's rows 16-byte aligned (D and I multiples of 8
+    in bfloat16), contiguous weights, and at least one row."""
+    hidden, intermediate = x.shape[1], w2.shape[2]
+    return (x.shape[0] > 0 and hidden % 8 == 0 and intermediate % 8 == 0 and x.is_contiguous()
+            and w13.is_contiguous() and w2.is_contiguous())
 
 
 def _grouped_swiglu_cuda(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ BALANCER = {"enabled": True, "window_steps": 40, "interval_steps": 4, "threshold
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False)  # a Ray of our own, never a neighbour's
     yield
     ray.shutdown()
 
@@ -60,14 +60,19 @@ def test_skewed_load_is_rebalanced_and_balanced_load_is_left_alone(ray_session, 
         deployment.generate(prompts(8, seed=40), PARAMS)
         after = wait_for(lambda: (s := deployment.status())["window_steps"] >= 4 and s, 30, "fresh telemetry")
         assert after["balancedness"] >= 0.9, after
-        # Balanced load causes no migration: more of the same traffic, several decision rounds.
+        # Balanced load causes no migration: more of the same traffic, and the controller must
+        # be seen deciding on it, not merely idle. Every decision before the rebalance saw the
+        # skewed window, so a "balanced:" decision is one taken after it.
         rebalances = after["rebalances"]
         for round_ in range(3):
             deployment.generate(prompts(8, seed=50 + round_), PARAMS)
-            time.sleep(0.5)
-        assert deployment.status()["rebalances"] == rebalances
+        decided = wait_for(lambda: (s := deployment.status())["last_decision"]["rebalance"] is False and s,
+                           30, "a decision on the balanced window")
+        assert decided["last_decision"]["reason"].startswith("balanced:"), decided["last_decision"]
+        assert decided["last_decision"]["balancedness"] >= BALANCER["threshold"]
+        assert decided["rebalances"] == rebalances and decided["epoch"] == after["epoch"]
         report = deployment.rebalance()  # an explicit request re-plans but finds nothing to gain
-        assert report["rebalanced"] is False or report["copies"] == 0
+        assert report["rebalanced"] is False or report["copies"] == 0, report
     finally:
         deployment.shutdown()
 

@@ -12,8 +12,8 @@ import torch
 
 from ep_helpers import GREEDY, cluster_config, prompts, reference_engine
 from raymoe.cluster.deploy import deploy
-from raymoe.engine.experts import plan_layer
-from raymoe.moe.capacity import CapacityConfig
+from raymoe.engine.engine import EngineConfig, LLMEngine
+from timing import deadline_margin_s
 
 CASES = {
     # strategy, redundant slots, expert workers, routers
@@ -31,7 +31,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False)  # a Ray of our own, never a neighbour's
     yield
     ray.shutdown()
 
@@ -73,25 +73,98 @@ def test_outputs_equal_the_in_process_engine(case, ray_session, reference, tiny_
         deployment.shutdown()
 
 
+# bfloat16 through the exchange against the in-process engine in bfloat16. Not bitwise equal:
+# each worker rounds its rows' sums to bfloat16 before the router adds them (in process, a
+# token's k expert outputs are added before one rounding), so a logit may move by a bfloat16
+# step (0.0156 near 2-4) and, rarely, a near-tied expert choice flips. Measured on this
+# machine (mixtral, qwen3_moe, deepseek_v3; 1x2, and 2x3 with replicas; 6 prompts): the
+# median over positions of the largest logit difference is 0.012-0.016, at most 3% of
+# positions exceed 0.1 (a flipped expert choice: up to 0.47); greedy outputs are equal for 3-6
+# of 6 prompts, and at every first divergence the in-process logits of the two tokens were
+# equal (a bfloat16 tie). Bounds: about 3x the measured median and share; a tie within 2 steps.
+BF16_MEDIAN = 0.05
+BF16_STRAY_SHARE = 0.1  # share of positions whose largest difference is above 0.1
+BF16_TIE = 0.04
+
+
+@pytest.fixture(scope="module")
+def reference_bf16(tiny_mixtral_dir):
+    engine = LLMEngine.from_pretrained(tiny_mixtral_dir, EngineConfig(dtype="bfloat16"))
+    batch = prompts(6)
+    return engine, batch, [o.output_token_ids for o in engine.generate(batch, GREEDY)], engine.score(batch)
+
+
+def test_bfloat16_outputs_track_the_in_process_engine(ray_session, reference_bf16, tiny_mixtral_dir):
+    engine, batch, tokens, logits = reference_bf16
+    config = cluster_config(tiny_mixtral_dir, dtype="bfloat16", **CASES["round_robin-3w-2r-redundant"])
+    deployment = deploy(config, name="ep-bf16")
+    try:
+        for router in range(len(deployment.routers)):
+            ours = deployment.score(batch, router=router)
+            diffs = torch.cat([(a - b).abs().amax(dim=-1) for a, b in zip(ours, logits)])  # per position
+            assert diffs.median().item() <= BF16_MEDIAN, diffs.median().item()
+            assert (diffs > 0.1).float().mean().item() <= BF16_STRAY_SHARE, diffs
+        outputs = [o.output_token_ids for o in deployment.generate(batch, GREEDY)]
+        for prompt, ours, want in zip(batch, outputs, tokens):
+            if ours == want:
+                continue
+            # Greedy decoding may part only where two tokens tie within bfloat16's resolution:
+            # at the first differing position, the in-process logits of both choices are close.
+            at = next(i for i, (a, b) in enumerate(zip(ours, want)) if a != b)
+            step = engine.score([prompt + want[:at]])[0][-1]
+            assert (step[want[at]] - step[ours[at]]).item() <= BF16_TIE, (prompt, at, ours, want)
+        assert sum(ours == want for ours, want in zip(outputs, tokens)) >= len(batch) // 2
+    finally:
+        deployment.shutdown()
+
+
+def reference_rows(placement, layer: int, ids: torch.Tensor) -> list[int]:
+    """Rows each worker must receive for one layer's gate output, by a plain loop over the
+    documented rules (ARCHITECTURE.md section 4): the i-th assignment of expert e in token
+    order runs on replica ``i % replicas(e)``, and a token goes once to each worker that runs
+    any of its assignments (DeepEP's dedup)."""
+    seen: dict[int, int] = {}
+    pairs = set()
+    for token, row in enumerate(ids.tolist()):
+        for expert in row:
+            replicas = [s for s, e in enumerate(placement.phy2log[layer].tolist()) if e == expert]
+            slot = replicas[seen.get(expert, 0) % len(replicas)]
+            seen[expert] = seen.get(expert, 0) + 1
+            pairs.add((token, slot // placement.slots_per_worker))
+    return [sum(1 for _, w in pairs if w == worker) for worker in range(placement.num_workers)]
+
+
 def test_bytes_on_the_wire_are_the_dedup_minimum(ray_session, reference, tiny_mixtral_dir):
+    """The bytes the router's messages really had (telemetry's bytes_sent/bytes_received, summed
+    over the tensors handed to the communicator) against a plain loop over unique (token,
+    worker) pairs of the in-process engine's own gate output."""
     batch, _, _, calls = reference
-    config = cluster_config(tiny_mixtral_dir, **CASES["round_robin-3w-2r-redundant"], )
+    config = cluster_config(tiny_mixtral_dir, **CASES["round_robin-3w-2r-redundant"])
     deployment = deploy(config, name="ep-bytes")
     try:
-        before = deployment.telemetry()[0]["worker_bytes_sent"]
-        deployment.score(batch, router=0)
-        after = deployment.telemetry()[0]["worker_bytes_sent"]
-        sent = sum(after) - sum(before)
-        hidden = deployment.model_config.hidden_size
-        row_bytes = hidden * 4
-        # The plan's dedup minimum, computed here from the in-process engine's own gate output.
-        minimum = sum(
-            int(plan_layer(deployment.placement, layer, ids, weights, CapacityConfig()).send_counts.sum()) * row_bytes
-            for layer, ids, weights in calls
-        )
-        naive = sum(ids.numel() for _, ids, _ in calls) * row_bytes  # tokens x k x hidden x bytes
-        assert sent == minimum
-        assert sent < naive
+        before = deployment.telemetry()[0]
+        deployment.score(batch, router=0)  # one prefill step of every prompt on router 0
+        after = deployment.telemetry()[0]
+        placement = deployment.placement
+        workers, slots = placement.num_workers, placement.slots_per_worker
+        hidden, top_k = deployment.model_config.hidden_size, deployment.model_config.top_k
+        assert len(calls) == placement.num_layers  # one gate output per MoE layer
+        rows = [reference_rows(placement, layer, ids) for layer, ids, _ in calls]
+        total_rows = sum(map(sum, rows))
+        # The wire format, written out: per worker and layer a header of 4 + S int64 (rows,
+        # tag checksum, epoch, kind, assignments per local slot); per row D float32
+        # activations, k int32 slots, k float32 weights; back, D float32 per row and a
+        # 16-byte trailer per worker and layer.
+        headers = placement.num_layers * workers * (4 + slots) * 8
+        expected_sent = headers + total_rows * (hidden * 4 + top_k * 8)
+        expected_received = total_rows * hidden * 4 + placement.num_layers * workers * 16
+        assert after["bytes_sent"] - before["bytes_sent"] == expected_sent
+        assert after["bytes_received"] - before["bytes_received"] == expected_received
+        assert [a - b for a, b in zip(after["worker_rows"], before["worker_rows"])] == [
+            sum(layer_rows[w] for layer_rows in rows) for w in range(workers)]
+        # The dedup matters here: without it a token goes once per assignment.
+        assignments = sum(ids.numel() for _, ids, _ in calls)
+        assert total_rows < assignments
     finally:
         deployment.shutdown()
 
@@ -111,7 +184,9 @@ def test_a_worker_that_stops_answering_fails_the_step_within_the_deadline(ray_se
         assert len(outputs) == 2 and time.monotonic() - started < 120  # nothing hangs
         failure = ray.get(deployment.routers[0].info.remote())["last_failure"]
         assert "CollectiveTimeout" in failure["error"] and "rank 2" in failure["error"] and "layer 0" in failure["error"]
-        assert failure["after_s"] < timeout_s + 3  # within the deadline (plus scheduling slack)
+        # Not before the deadline; after it by no more than a margin scaled to this machine's load.
+        margin = deadline_margin_s(2.0)
+        assert timeout_s - 0.1 <= failure["after_s"] <= timeout_s + margin, (failure["after_s"], margin)
     finally:
         try:
             os.kill(pid, signal.SIGCONT)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from raymoe.cluster.cli import main
 from raymoe.engine.engine import EngineConfig, LLMEngine
@@ -80,14 +81,28 @@ def test_completions_equal_the_engine_and_carry_token_ids(batch_result, tiny_mix
                                  "total_tokens": len(prompt) + len(expected)}
 
 
-def test_logprobs_are_reported_per_token(batch_result):
-    _, _, lines = batch_result
-    logprobs = lines[1]["response"]["body"]["choices"][0]["logprobs"]
-    assert len(logprobs["token_logprobs"]) == 5
-    assert all(lp <= 0 for lp in logprobs["token_logprobs"])
-    for chosen, top in zip(logprobs["token_logprobs"], logprobs["top_logprobs"]):
-        assert len(top) == 2
-        assert max(top.values()) >= chosen - 1e-6  # greedy: the chosen token is the best one
+def test_logprobs_are_the_log_softmax_of_transformers_logits(batch_result, tiny_mixtral_dir):
+    """Against an independent reference: transformers' own forward over the prompt and the
+    answer, log_softmax in float64 (not the engine, not its sampler)."""
+    from transformers import AutoModelForCausalLM
+
+    _, items, lines = batch_result
+    choice = lines[1]["response"]["body"]["choices"][0]
+    prompt, output = items[1]["body"]["prompt"], choice["token_ids"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_mixtral_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + output])).logits[0].double()
+    reference = torch.log_softmax(logits, dim=-1)[len(prompt) - 1:-1]  # the distribution of each output token
+    tokenizer = Tokenizer(tiny_mixtral_dir)
+    logprobs = choice["logprobs"]
+    assert len(logprobs["token_logprobs"]) == len(output) == 5
+    assert logprobs["tokens"] == [tokenizer.id_to_token(t) for t in output]
+    for position, (token, chosen, top) in enumerate(zip(output, logprobs["token_logprobs"], logprobs["top_logprobs"])):
+        assert chosen == pytest.approx(reference[position, token].item(), abs=1e-4)
+        values, ids = torch.topk(reference[position], 2)
+        assert list(top) == [tokenizer.id_to_token(i) for i in ids.tolist()]  # best first
+        assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-4)
+        assert token == ids[0].item()  # greedy
 
 
 def test_bad_lines_get_openai_errors_naming_the_problem(batch_result):

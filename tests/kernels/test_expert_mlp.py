@@ -123,6 +123,39 @@ def test_slot_rows_pick_experts_from_a_larger_pool() -> None:
         grouped_swiglu(x, counts, pool_w13, pool_w2, slot_rows=[0, 1])
 
 
+# ---- which implementation runs, decided up front; a grouped-kernel failure is loud ------
+
+
+@pytest.mark.parametrize("hidden, intermediate, rows, accepted", [
+    (128, 64, 5, True), (8, 8, 1, True), (8, 4, 5, False), (12, 8, 5, False), (128, 64, 0, False)])
+def test_grouped_mm_layout_rule(hidden, intermediate, rows, accepted) -> None:
+    from raymoe.kernels.expert_mlp import _grouped_mm_layout_ok
+
+    x = torch.zeros(rows, hidden, dtype=torch.bfloat16)
+    w13 = torch.zeros(2, 2 * intermediate, hidden, dtype=torch.bfloat16)
+    w2 = torch.zeros(2, hidden, intermediate, dtype=torch.bfloat16)
+    assert _grouped_mm_layout_ok(x, w13, w2) is accepted
+    assert not _grouped_mm_layout_ok(x, w13.transpose(1, 2).contiguous().transpose(1, 2), w2)  # strided weights
+
+
+def test_a_grouped_mm_failure_raises_instead_of_falling_back(monkeypatch) -> None:
+    """Where the grouped kernel is chosen, its failure reaches the caller (no warning and
+    quiet loop): faked on the CPU by choosing it and making it fail."""
+    import raymoe.kernels.expert_mlp as expert_mlp
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("grouped_mm: simulated kernel failure")
+
+    monkeypatch.setattr(expert_mlp, "_use_grouped_mm", lambda x, w13, w2: True)
+    monkeypatch.setattr(expert_mlp, "_grouped_swiglu_cuda", failing)
+    x, w13, w2 = make_inputs([3, 2], 8, 8, torch.float32, seed=4)
+    with pytest.raises(RuntimeError, match="simulated kernel failure"):
+        grouped_swiglu(x, [3, 2], w13, w2)
+    # Not chosen (e.g. a slot-row mapping): the loop runs and the kernel is never called.
+    out = grouped_swiglu(x, [3, 2], w13, w2, slot_rows=[1, 0])
+    torch.testing.assert_close(out, reference(x, [3, 2], w13.flip(0), w2.flip(0)).float(), rtol=1e-5, atol=1e-5)
+
+
 # ---- CUDA: the same contract on the GPU, and torch._grouped_mm against the loop ----------
 # Skipped without CUDA (tests/conftest.py). On Hopper and later with bfloat16, grouped_swiglu
 # takes torch._grouped_mm; elsewhere, and for layouts that kernel refuses, the loop.
@@ -160,17 +193,14 @@ ALIGNED = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("counts,hidden,intermediate", ALIGNED)
-def test_grouped_mm_path_runs_without_fallback_and_matches_the_loop(counts, hidden, intermediate) -> None:
-    import warnings
-
-    from raymoe.kernels.expert_mlp import _grouped_swiglu_loop
+def test_grouped_mm_path_runs_and_matches_the_loop(counts, hidden, intermediate) -> None:
+    from raymoe.kernels.expert_mlp import _grouped_swiglu_loop, _use_grouped_mm
 
     if not grouped_mm_available():
         pytest.skip("torch._grouped_mm path not used here (needs compute capability >= 9 and torch._grouped_mm)")
     x, w13, w2 = on_cuda(*make_inputs(counts, hidden, intermediate, torch.bfloat16, seed=hidden))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the fallback warns: here it must not be taken
-        grouped = grouped_swiglu(x, counts, w13, w2)
+    assert _use_grouped_mm(x, w13, w2)  # chosen for these shapes; a kernel failure would raise here
+    grouped = grouped_swiglu(x, counts, w13, w2)
     loop = _grouped_swiglu_loop(x, counts, w13, w2, list(range(len(counts))))
     torch.testing.assert_close(grouped, loop, rtol=2e-2, atol=2e-2)
     expected = reference(x.cpu(), counts, w13.cpu(), w2.cpu()).to(torch.bfloat16)

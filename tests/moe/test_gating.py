@@ -225,7 +225,20 @@ def test_gate_config_rejects(kwargs, scoring) -> None:
 
 
 def test_gate_config_accepts_edges() -> None:
-    GateConfig(ScoringFunction.SOFTMAX, 8, 8, True)  # k == E
-    GateConfig(ScoringFunction.SIGMOID, 16, 4, True, num_groups=4, topk_groups=1)  # k == group size
-    GateConfig(ScoringFunction.SIGMOID, 256, 8, True, num_groups=8, topk_groups=4,
-               routed_scaling_factor=2.5, has_correction_bias=True)  # DeepSeek-V3
+    """Configs at the edges of what is valid are accepted and route like the references."""
+    gen = torch.Generator().manual_seed(9)
+    # k == E: every expert, ordered by probability.
+    logits = torch.randn(5, 8, generator=gen)
+    config = GateConfig(ScoringFunction.SOFTMAX, 8, 8, True)
+    check_route(*route(logits, config), *reference_softmax(logits, 8, True), 5, 8)
+    # k == group size with one group kept: exactly the best group's experts.
+    logits = torch.randn(5, 16, generator=gen)
+    config = GateConfig(ScoringFunction.SIGMOID, 16, 4, True, num_groups=4, topk_groups=1)
+    ids, weights = route(logits, config)
+    check_route(ids, weights, *reference_deepseek(logits, None, 4, 4, 1, True, 1.0), 5, 4)
+    assert all(len({e // 4 for e in row}) == 1 for row in ids.tolist())
+    # DeepSeek-V3's own shape.
+    logits, bias = torch.randn(3, 256, generator=gen), torch.randn(256, generator=gen) * 0.1
+    config = GateConfig(ScoringFunction.SIGMOID, 256, 8, True, num_groups=8, topk_groups=4,
+                        routed_scaling_factor=2.5, has_correction_bias=True)
+    check_route(*route(logits, config, bias), *reference_deepseek(logits, bias.tolist(), 8, 8, 4, True, 2.5), 3, 8)

@@ -61,10 +61,25 @@ def test_gain_below_min_gain_is_not_worth_a_migration():
 
 
 def test_budget_limits_copies_per_layer():
+    unlimited = decide(hot_load(), skewed_placement(), RebalancePolicy(max_copies_per_layer=None))
+    unlimited_per_layer = np.bincount([c.layer for c in unlimited.result.migration.copies], minlength=2)
+    assert unlimited.rebalance and unlimited_per_layer.max() > 2  # the budget below really binds
     decision = decide(hot_load(), skewed_placement(), RebalancePolicy(max_copies_per_layer=2))
-    if decision.rebalance:
-        per_layer = np.bincount([c.layer for c in decision.result.migration.copies], minlength=2)
-        assert per_layer.max() <= 2
+    assert decision.rebalance, decision.reason  # a budgeted plan still pays here
+    per_layer = np.bincount([c.layer for c in decision.result.migration.copies], minlength=2)
+    assert per_layer.tolist() == [2, 2]
+    assert decision.current_balancedness < decision.predicted_balancedness < unlimited.predicted_balancedness
+
+
+def test_a_plan_over_the_budget_is_refused(monkeypatch):
+    """decide's own check, should the balancer ever return more copies than asked for."""
+    import raymoe.moe.rebalance_policy as policy_module
+
+    real = policy_module.plan_placement
+    monkeypatch.setattr(policy_module, "plan_placement",
+                        lambda *args, **kwargs: real(*args, **dict(kwargs, max_copies_per_layer=None)))
+    decision = decide(hot_load(), skewed_placement(), RebalancePolicy(max_copies_per_layer=2))
+    assert not decision.rebalance and "over the budget of 2" in decision.reason
 
 
 def test_no_traffic_and_forced_decisions():

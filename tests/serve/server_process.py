@@ -17,6 +17,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def merged_env(env: dict | None) -> dict:
+    """This process's environment with ``env`` on top; a value of None removes the variable."""
+    merged = {**os.environ, **(env or {})}
+    return {key: value for key, value in merged.items() if value is not None}
+
+
 class ServerProcess:
     def __init__(self, config_path: str | None, log_path: str, port: int | None = None, env: dict | None = None):
         """``config_path=None`` runs `raymoe serve` with no config: the embedded default."""
@@ -26,7 +32,7 @@ class ServerProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "raymoe.cluster.cli", "serve", *([config_path] if config_path else []),
              "--port", str(self.port)],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            stdout=self.log, stderr=subprocess.STDOUT, env=merged_env(env),
             start_new_session=True,
         )
         self.log_path = log_path
@@ -44,6 +50,51 @@ class ServerProcess:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"raymoe serve did not become healthy in {timeout_s} s:\n{self.tail()}")
+
+    def ray_address(self) -> str:
+        """HOST:PORT of the Ray this server started: its GCS's session is named after the
+        server's pid (on a shared machine, "the latest cluster" may be someone else's)."""
+        suffix = f"_{self.process.pid}"
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                    args = [a.decode(errors="replace") for a in handle.read().split(b"\0") if a]
+            except OSError:  # not a process, or gone
+                continue
+            if not args or not args[0].endswith("gcs_server"):
+                continue
+            options = dict(a[2:].split("=", 1) for a in args[1:] if a.startswith("--") and "=" in a)
+            if options.get("session-name", "").endswith(suffix):
+                port = options.get("gcs_server_port", "0")
+                if port == "0":  # chosen at start-up: Ray writes it into the session folder
+                    folder = options["session-dir"]
+                    name = next(n for n in os.listdir(folder) if n.startswith("gcs_server_port_"))
+                    with open(os.path.join(folder, name)) as handle:
+                        port = handle.read().strip()
+                return f"{options['node-ip-address']}:{port}"
+        raise RuntimeError(f"no Ray GCS started by the server (pid {self.process.pid})")
+
+    def actor_pids(self, class_name: str) -> list[int]:
+        """Pids of this server's Ray actors of ``class_name``: children of the raylet that the
+        server started (Ray titles an actor's process ``ray::ClassName``)."""
+        def parent(pid: str) -> int:
+            with open(f"/proc/{pid}/stat") as handle:
+                return int(handle.read().rsplit(")", 1)[1].split()[1])
+
+        def command(pid: str) -> str:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                return handle.read().replace(b"\0", b" ").decode(errors="replace")
+
+        processes = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    processes[int(entry)] = (parent(entry), command(entry))
+                except (OSError, IndexError, ValueError):  # gone meanwhile
+                    continue
+        raylets = {pid for pid, (ppid, cmd) in processes.items() if ppid == self.process.pid and "raylet" in cmd}
+        return sorted(pid for pid, (ppid, cmd) in processes.items()
+                      if ppid in raylets and cmd.startswith(f"ray::{class_name}"))
 
     def tail(self, chars: int = 4000) -> str:
         if not self.log.closed:

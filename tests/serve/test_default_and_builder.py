@@ -38,7 +38,7 @@ def test_serve_without_a_config_writes_the_demo_and_answers(tmp_path):
 
 def test_app_builder_serves_the_same_config(tiny_mixtral_dir):
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # a Ray of our own, never a neighbour's
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = {"model": tiny_mixtral_dir, "device": "cpu", "dtype": "float32", "routers": 1, "expert_workers": 2}

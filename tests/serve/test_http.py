@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import subprocess
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from raymoe.engine.engine import EngineConfig, LLMEngine
@@ -59,17 +62,91 @@ def test_greedy_completions_on_token_ids_equal_the_in_process_engine(client, ref
         assert choice.finish_reason == "length"
 
 
+def first_stop_string(text: str, length: int = 3) -> str:
+    """A piece of ``text`` whose first occurrence starts past its beginning (so the request
+    stops early, after several tokens), free of U+FFFD (half characters)."""
+    for start in range(1, len(text) - length):
+        piece = text[start:start + length]
+        if "\ufffd" not in piece and piece.strip() and text.find(piece) == start:
+            return piece
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
 def test_streamed_text_equals_non_streamed_text(client):
-    for prompt, stop in (("Hello world", None), ("The sea and the sky", [" the"])):
-        kwargs = dict(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stop=stop,
-                      extra_body={"ignore_eos": True})
-        whole = client.completions.create(**kwargs).choices[0].text
-        pieces, reasons = [], []
-        for chunk in client.completions.create(stream=True, **kwargs):
-            pieces.append(chunk.choices[0].text)
-            reasons.append(chunk.choices[0].finish_reason)
-        assert "".join(pieces) == whole
-        assert reasons[-1] in ("length", "stop") and all(r is None for r in reasons[:-1])
+    kwargs = dict(model="tiny", prompt="Hello world", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    pieces, reasons = [], []
+    for chunk in client.completions.create(stream=True, **kwargs):
+        pieces.append(chunk.choices[0].text)
+        reasons.append(chunk.choices[0].finish_reason)
+    assert "".join(pieces) == whole.text and whole.finish_reason == "length"
+    assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+
+
+@pytest.mark.parametrize("prompt", ["Hello world", "The sea and the sky"])
+def test_a_stop_string_taken_from_the_output_stops_it_streamed_or_not(client, prompt):
+    base = dict(model="tiny", prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**base).choices[0].text
+    stop = first_stop_string(full)
+    cut = full[:full.find(stop)]
+    whole = client.completions.create(stop=[stop], **base)
+    assert whole.choices[0].finish_reason == "stop"
+    assert whole.choices[0].text == cut  # cut where the stop string starts, nothing of it shown
+    assert whole.usage.completion_tokens < 16
+    pieces, reasons = [], []
+    for chunk in client.completions.create(stream=True, stop=[stop], **base):
+        pieces.append(chunk.choices[0].text)
+        reasons.append(chunk.choices[0].finish_reason)
+    assert "".join(pieces) == cut  # the held-back tail never reached the client
+    assert reasons[-1] == "stop" and all(r is None for r in reasons[:-1])
+
+
+def test_stream_options_include_usage_adds_one_usage_chunk(client):
+    kwargs = dict(model="tiny", prompt=[4, 5, 6], max_tokens=5, temperature=0, stream=True,
+                  extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(stream_options={"include_usage": True}, **kwargs))
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (3, 5, 8)
+    assert all(c.usage is None and len(c.choices) == 1 for c in chunks[:-1])
+    assert all(c.usage is None for c in client.completions.create(**kwargs))  # not asked: none
+
+
+def test_chat_logprobs_are_the_log_softmax_of_the_model(client, tiny_mixtral_dir, reference):
+    """Each token's logprob and top alternatives against torch's log_softmax (float64) of the
+    in-process engine's logits for the prompt plus the answer: independent of the sampler."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    response = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = response.choices[0]
+    tokenizer = Tokenizer(tiny_mixtral_dir)
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    output = choice.model_extra["token_ids"]
+    logits = reference.score([prompt + output])[0].double()
+    logprobs = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)  # the distribution each token came from
+    entries = choice.logprobs.content
+    assert len(entries) == len(output) == 5
+    for position, (entry, token) in enumerate(zip(entries, output)):
+        assert entry.token == tokenizer.id_to_token(token)
+        assert entry.logprob == pytest.approx(logprobs[position, token].item(), abs=1e-4)
+        values, ids = torch.topk(logprobs[position], 3)
+        assert [t.token for t in entry.top_logprobs] == [tokenizer.id_to_token(i) for i in ids.tolist()]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+        assert token == ids[0].item()  # greedy
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert plain.choices[0].logprobs is None
+
+
+def test_max_completion_tokens_caps_chat_and_zero_is_refused(server, client):
+    messages = [{"role": "user", "content": "Count."}]
+    response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, max_completion_tokens=3,
+                                              temperature=0, extra_body={"ignore_eos": True})
+    assert response.usage.completion_tokens == 3 and response.choices[0].finish_reason == "length"
+    code, payload = post(server.url + "/v1/chat/completions", {"model": "tiny", "messages": messages,
+                                                               "max_completion_tokens": 0})
+    assert code == 400, payload  # never a silent fall back to max_tokens or the default
 
 
 def test_32_concurrent_requests_all_succeed(client):
@@ -117,14 +194,28 @@ BAD_REQUESTS = [
 ]
 
 
+HEADERS_ONLY_ABOVE = 1 << 20  # bodies beyond serve.max_body_bytes' default: see post()
+
+
 def post(url: str, body, headers: dict | None = None) -> tuple[int, dict]:
+    """POST and return (status, JSON body). A body over 1 MiB is declared in Content-Length but
+    not sent: the server must refuse it from the header alone (413), and a client still
+    sending when that answer comes would break its pipe on a race, not on the server's fault."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+        connection.putrequest("POST", parts.path)
+        for key, value in {"Content-Type": "application/json", "Content-Length": str(len(data)),
+                           **(headers or {})}.items():
+            connection.putheader(key, value)
+        connection.endheaders()
+        if len(data) <= HEADERS_ONLY_ABOVE:
+            connection.send(data)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
 
 
 @pytest.mark.parametrize("name, path, body, status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
@@ -192,13 +283,14 @@ def test_admin_routes_need_the_token(server, client):
 
 def test_status_and_rebalance_commands(server):
     command = [sys.executable, "-m", "raymoe.cluster.cli"]
-    done = subprocess.run(command + ["status", "--json"], capture_output=True, text=True, timeout=120)
+    address = ["--address", server.ray_address()]  # this server's Ray, not the machine's latest one
+    done = subprocess.run(command + ["status", "--json", *address], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     status = json.loads(done.stdout)
     assert {"epoch", "balancedness", "placement", "worker_load", "last_rebalance"} <= set(status)
-    text = subprocess.run(command + ["status"], capture_output=True, text=True, timeout=120)
+    text = subprocess.run(command + ["status", *address], capture_output=True, text=True, timeout=120)
     assert text.returncode == 0 and "balancedness" in text.stdout and "worker" in text.stdout
-    done = subprocess.run(command + ["rebalance"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command + ["rebalance", *address], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.startswith("rebalanced:"), done.stderr[-2000:]
 
 

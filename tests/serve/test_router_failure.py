@@ -10,6 +10,7 @@ import time
 import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.sampling_params import SamplingParams
@@ -33,24 +34,45 @@ def call(url: str, path: str, body: dict | None = None) -> dict:
         return json.loads(response.read())
 
 
+def generation_tokens(url: str) -> float:
+    """The ingress's count of output tokens received from routers (a re-run request's tokens
+    count twice: once from the router that died, once from the one that re-ran it)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    return sum(s.value for s in families["raymoe_generation_tokens"].samples if s.name.endswith("_total"))
+
+
+MAX_TOKENS = 48
+
+
 def test_router_killed_under_load_loses_no_request(server, tiny_mixtral_dir):
     prompts = [[10 + i, 20 + i, 30 + i] for i in range(16)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     reference = LLMEngine.from_pretrained(tiny_mixtral_dir, EngineConfig(dtype="float32"))
     expected = [o.output_token_ids for o in reference.generate(prompts, params)]
     routers = call(server.url, "/admin/placement")["routers"]
     victim = routers[0]["pid"]
+    before = generation_tokens(server.url)
 
     def complete(prompt):
-        return call(server.url, "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0,
+        return call(server.url, "/v1/completions", {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
                                                     "ignore_eos": True, "return_token_ids": True})
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(complete, p) for p in prompts]
-        time.sleep(0.5)  # requests are in flight on both routers
+        # Kill once tokens flow (2 per request on average: both routers, which step together,
+        # are mid-way through requests 24x longer), not after a lucky sleep.
+        deadline = time.monotonic() + 120
+        while generation_tokens(server.url) - before < 2 * len(prompts):
+            assert time.monotonic() < deadline and not any(f.done() for f in futures), "no tokens flowed"
+            time.sleep(0.05)
         os.kill(victim, signal.SIGKILL)
         bodies = [f.result(timeout=300) for f in futures]
     assert [b["choices"][0]["token_ids"] for b in bodies] == expected
+    # Proof that requests were re-run, not merely finished before the kill: the ingress
+    # received more tokens than the requests hold, the dead router's partial outputs included.
+    received = generation_tokens(server.url) - before
+    assert received > len(prompts) * MAX_TOKENS, received
     # The router comes back (restarted by Ray, rejoined by the controller) and serves again.
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
