@@ -119,7 +119,6 @@ class Router:
         self.experts.device = self.device
         self.experts.set_placement(self.placement)  # index tables on the engine's device
         self._lock = threading.Lock()  # guards the engine: steps, adds, aborts, scoring
-        self._work = threading.Condition(self._lock)
         self._wake = threading.Condition()  # guards the inbox below; wakes the idle step thread
         self._incoming: list[tuple[str, list[int], SamplingParams]] = []
         self._aborts: list[str] = []
@@ -150,7 +149,7 @@ class Router:
         comm = make_communicator(self.backend, rendezvous, rank=self.router_index, world_size=layout.world_size,
                                  timeout_s=self.timeout_s, device=self.device if self.device.type == "cuda" else None,
                                  bind_host=ray.util.get_node_ip_address())
-        with self._work:
+        with self._lock:
             self.experts.exchange = RouterExchange(
                 comm, layout, self.router_index, self.placement.num_workers, self.placement.slots_per_worker,
                 self.config.top_k,
@@ -213,7 +212,7 @@ class Router:
                                     min(IDLE_MIN_S * 2 ** min(self.idle_rounds, 8), IDLE_MAX_S))
                     if self._stopped:
                         return
-            with self._work:
+            with self._lock:
                 self._drain_inbox()
             exchange, has_work = self.experts.exchange, self._has_work()
             if exchange is None:
@@ -227,14 +226,14 @@ class Router:
                         exchange.idle_tick()
                     continue
                 self.idle_rounds = 0
-                with self._work:
+                with self._lock:
                     outputs = self._group_step(has_work)
             except RECOVERABLE as error:  # a peer died or froze: recover outside the lock
                 failure = error
                 self.last_failure = {"error": f"{type(error).__name__}: {error}",
                                      "after_s": time.monotonic() - step_started, "time": time.time()}
             except Exception as error:  # anything else: every request in flight hears why
-                with self._work:
+                with self._lock:
                     self._fail_all(f"{type(error).__name__}: {error}")
                 continue
             if failure is not None:
@@ -280,7 +279,7 @@ class Router:
             ray.get(self.supervisor.recover.remote(self.comm_generation), timeout=RECOVERY_TIMEOUT_S)
             self.recoveries += 1
         except Exception as error:  # recovery itself failed: give up on what is in flight
-            with self._work:
+            with self._lock:
                 self._fail_all(f"{type(failure).__name__}: {failure}; recovery failed: {type(error).__name__}: {error}")
 
     @staticmethod

@@ -17,7 +17,6 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-from raymoe.kernels.comm.errors import CommClosedError, CommError
 
 
 @runtime_checkable
@@ -97,19 +96,3 @@ def validate_group(rank: int, world_size: int) -> None:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not isinstance(rank, int) or not (0 <= rank < world_size):
         raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
-
-
-def ensure_open(is_closed: bool, tag: str) -> None:
-    """Raises CommClosedError for a collective called after close() or abort()."""
-    if is_closed:
-        raise CommClosedError(tag)
-
-
-def ensure_usable(is_closed: bool, failure: str | None, tag: str) -> None:
-    """A collective may run: the communicator is open and no earlier collective broke it."""
-    ensure_open(is_closed, tag)
-    if failure is not None:
-        raise CommError(
-            f"collective {tag!r} called on a communicator broken by an earlier failure "
-            f"({failure}); abort() it and build a new one"
-        )
