@@ -27,14 +27,40 @@ from typing import Any
 import numpy as np
 import ray
 
+from raymoe.kernels.comm import errors as comm_errors
 from raymoe.moe.placement import PlacementTable
 from raymoe.moe.rebalance_policy import RebalanceDecision, RebalancePolicy, decide, placement_balancedness
 
 CALL_TIMEOUT_S = 60.0
-PING_TIMEOUT_S = 5.0
-MIGRATION_TIMEOUT_S = 60.0  # deadline of one layer's copy collective (weights are large)  # a worker that cannot answer `info` in this long is treated as lost
+PING_TIMEOUT_S = 5.0  # a worker that cannot answer `info` in this long is treated as lost
+MIGRATION_TIMEOUT_S = 60.0  # deadline of one layer's copy collective (weights are large)
 RESTART_TIMEOUT_S = 300.0
 LOST = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError)
+# Re-including restarted workers: attempt k waits REINCLUDE_FIRST_BACKOFF_S * 2**(k-1) (at most
+# REINCLUDE_MAX_BACKOFF_S) after a failure; after REINCLUDE_MAX_ATTEMPTS the deployment stays on
+# the replicas and says so in status(); the next recovery starts a new round of attempts.
+REINCLUDE_MAX_ATTEMPTS = 6
+REINCLUDE_FIRST_BACKOFF_S = 1.0
+REINCLUDE_MAX_BACKOFF_S = 30.0
+# A step that fails this many recoveries in a row with the same workers' errors (and no step
+# served in between) fails deterministically: its requests are failed, not retried for ever.
+MAX_IDENTICAL_STEP_FAILURES = 3
+# Where a test may make the controller fail on purpose (inject_fault): loading the placement
+# into a restarted worker, and joining the groups that re-include it.
+FAULT_POINTS = ("reinclude_load", "reinclude_join")
+# The decisions and outcomes status()["counters"] counts, so that a test can tell "it decided
+# and skipped" from "it never decided", and "it retried" from "it worked the first time".
+COUNTERS = ("rebalance_decisions_taken", "rebalance_decisions_skipped", "rebalances_deferred", "recoveries",
+            "recoveries_on_replicas", "reinclude_attempts", "reinclude_failures", "reincludes",
+            "reinclude_rollbacks", "repeated_step_failures")
+
+
+class InjectedFault(RuntimeError):
+    """Raised at a fault point armed by :meth:`Controller.inject_fault` (tests only)."""
+
+
+class RepeatedStepFailure(RuntimeError):
+    """The same step failed the same way after every rebuild: retrying cannot help."""
 
 
 def join_ep_group(routers: list[Any], workers: list[Any], members: list[int], backend: str, timeout_s: float,
@@ -48,6 +74,13 @@ def join_ep_group(routers: list[Any], workers: list[Any], members: list[int], ba
         workers[w].join.remote(backend, rendezvous, num_routers + rank, num_routers, members, timeout_s, generation)
         for rank, w in enumerate(members)
     ], timeout=CALL_TIMEOUT_S)
+
+
+def _is_comm_error(message: str) -> bool:
+    """Whether a worker's ``last_error`` ("Type: text") is a communicator's error."""
+    name = message.split(":", 1)[0]
+    return isinstance(getattr(comm_errors, name, None), type) and issubclass(getattr(comm_errors, name),
+                                                                             comm_errors.CommError)
 
 
 def _until_available(call, timeout_s: float = RESTART_TIMEOUT_S) -> Any:
@@ -73,6 +106,13 @@ class Controller:
         self.recoveries: list[dict[str, Any]] = []
         self.degraded: dict[str, Any] | None = None  # lost workers while replicas serve for them
         self._recover_lock = threading.Lock()
+        self._reinclude_thread: threading.Thread | None = None
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._counters_lock = threading.Lock()
+        self._faults: dict[str, int] = {}  # fault point -> how many more times it fails
+        # The last recovery's workers' errors, how many recoveries in a row saw them, and the
+        # steps the workers had served then (a served step ends a streak).
+        self._failure_streak: tuple[tuple, int, int] = ((), 0, -1)
         # A worker Ray has already restarted answers pings; its new pid gives it away.
         self.worker_pids = [info["pid"] for info in ray.get([w.info.remote() for w in workers], timeout=CALL_TIMEOUT_S)]
         self.workers = workers
@@ -146,12 +186,14 @@ class Controller:
         """Decide on the current window and, if it pays (or ``force``), migrate. Returns a report."""
         with self._rebalance_lock:
             if self.degraded is not None:
+                self._count("rebalances_deferred")
                 return {"time": time.time(), "rebalanced": False,
                         "reason": f"workers {self.degraded['lost']} are being restarted; rebalancing waits"}
             self.poll()
             self.steps_since_decision = 0
             decision = decide(self.window_load(), self.placement, self.policy, force=force)
             self.last_decision = decision
+            self._count("rebalance_decisions_taken" if decision.rebalance else "rebalance_decisions_skipped")
             report: dict[str, Any] = {
                 "time": time.time(), "rebalanced": decision.rebalance, "reason": decision.reason,
                 "balancedness_before": decision.current_balancedness,
@@ -215,22 +257,35 @@ class Controller:
            a replica on a survivor, serve on the survivors at once (``_serve_on_replicas``).
         3. Otherwise wait for the restarted workers and load the current placement into them.
         4. Abort every old communicator and join every router with every worker anew.
+
+        Raises :class:`RepeatedStepFailure` (after rebuilding the groups, so serving goes on)
+        when the step failed ``MAX_IDENTICAL_STEP_FAILURES`` times in a row with the same
+        workers' errors and nobody lost: a deterministic compute error, which a retry only
+        repeats. The calling router fails its requests in flight with that message.
         """
         with self._recover_lock:
             if generation < self.generation:
                 return self.generation
             started = time.perf_counter()
-            # Step 1: who answers, and who was restarted already (a new pid)?
-            answers = [w.info.remote() for w in self.workers]
-            lost, restarted, frozen = [], [], []
-            for index, answer in enumerate(answers):
+            self._count("recoveries")
+            # Step 1: who answers, and who was restarted already (a new pid)? Workers left out
+            # while the replicas serve for them are the re-include thread's business.
+            excluded = set(self.degraded["lost"]) if self.degraded is not None else set()
+            members = [w for w in range(len(self.workers)) if w not in excluded]
+            answers = {index: self.workers[index].info.remote() for index in members}
+            lost, restarted, frozen, infos = [], [], [], {}
+            for index, answer in answers.items():
                 try:
-                    if ray.get(answer, timeout=PING_TIMEOUT_S)["pid"] != self.worker_pids[index]:
+                    infos[index] = ray.get(answer, timeout=PING_TIMEOUT_S)
+                    if infos[index]["pid"] != self.worker_pids[index]:
                         restarted.append(index)
                 except ray.exceptions.GetTimeoutError:
                     frozen.append(index)  # alive but not answering
                 except LOST:
                     lost.append(index)  # dead: Ray is restarting it already
+            repeated = self._repeated_failure(infos, any_lost=bool(lost or frozen or restarted))
+            if self.degraded is not None and not self._reinclude_running():
+                self._start_reinclude()  # an earlier round of attempts gave up: try again
             # Step 2: a frozen worker cannot serve: kill it so that Ray restarts it too.
             for index in frozen:
                 ray.kill(self.workers[index], no_restart=False)
@@ -256,20 +311,47 @@ class Controller:
                     ray.get([router.set_supervisor.remote(ray.get_runtime_context().current_actor),
                              router.set_placement.remote(self.placement.to_dict())], timeout=CALL_TIMEOUT_S)
                     restarted_routers.append(index)
-            # Step 4: new groups, one per router, everybody joins.
-            self._rebuild_groups(list(range(len(self.workers))))
+            # Step 4: new groups, one per router, every member joins.
+            self._rebuild_groups(members)
             next_generation = self.generation
             self.recoveries.append({"time": time.time(), "lost_workers": lost, "restarted_routers": restarted_routers,
                                     "mode": "restart", "generation": next_generation,
                                     "seconds": time.perf_counter() - started})
+            if repeated is not None:
+                self._count("repeated_step_failures")
+                self._failure_streak = ((), 0, -1)  # the next requests get their own retries
+                self.last = {"error": repeated, "time": time.time()}
+                raise RepeatedStepFailure(repeated)
             return self.generation
 
-    def _rebuild_groups(self, members: list[int]) -> None:
+    def _repeated_failure(self, infos: dict[int, dict[str, Any]], any_lost: bool) -> str | None:
+        """The message to fail the step's requests with, if this recovery is the
+        ``MAX_IDENTICAL_STEP_FAILURES``-th in a row to find the same workers' compute errors
+        (not communication errors: those are what a rebuild fixes), with no worker lost and no
+        step served since the last one; else None."""
+        errors = tuple(sorted((index, info["last_error"]) for index, info in infos.items()
+                              if info["last_error"] and not _is_comm_error(info["last_error"])))
+        served = sum(info["steps_served"] for info in infos.values())
+        previous, streak, previous_served = self._failure_streak
+        if any_lost or not errors:
+            self._failure_streak = ((), 0, served)
+            return None
+        streak = streak + 1 if errors == previous and served == previous_served else 1
+        self._failure_streak = (errors, streak, served)
+        if streak < MAX_IDENTICAL_STEP_FAILURES:
+            return None
+        named = "; ".join(f"worker {index}: {error}" for index, error in errors)
+        return (f"the step failed {streak} times in a row with the same error after every rebuild ({named}); "
+                "this is not a lost peer but a deterministic failure, so the requests in flight are failed "
+                "instead of retried (see the workers' logs)")
+
+    def _rebuild_groups(self, members: list[int], fault_point: str | None = None) -> None:
         """Abort every communicator and join every router with ``members`` (worker indices) anew."""
         for index in members:
             _until_available(self.workers[index].reset_comms.remote)
         for router in self.routers:
             _until_available(router.abort_comm.remote)
+        self._fault(fault_point)
         next_generation = self.generation + 1
         join_ep_group(self.routers, self.workers, members, self.groups["backend"], self.groups["timeout_s"],
                       next_generation)
@@ -278,7 +360,7 @@ class Controller:
         self.generation = next_generation
 
     def _switch_groups(self, table: PlacementTable, base_epoch: int, activate_on: list[int],
-                       members: list[int]) -> None:
+                       members: list[int], fault_point: str | None = None) -> None:
         """Serve ``table`` with groups over ``members``: workers in ``activate_on`` add its epoch,
         routers stop (comms aborted), switch placement, and join the new groups."""
         ray.get([self.workers[w].activate.remote(table.epoch, base_epoch, table.to_dict()) for w in activate_on],
@@ -286,7 +368,7 @@ class Controller:
         for router in self.routers:
             _until_available(router.abort_comm.remote)
         ray.get([r.set_placement.remote(table.to_dict()) for r in self.routers], timeout=CALL_TIMEOUT_S)
-        self._rebuild_groups(members)
+        self._rebuild_groups(members, fault_point)
 
     def _covered_without(self, lost: list[int]) -> bool:
         """Every logical expert of every layer still has a slot on a worker not in ``lost``."""
@@ -310,35 +392,114 @@ class Controller:
         survivors = [w for w in range(len(self.workers)) if w not in lost]
         self._switch_groups(degraded, current.epoch, survivors, survivors)
         self.placement = degraded
-        self.degraded = {"lost": lost, "rows": current.phy2log.copy()}
+        self.degraded = {"lost": lost, "rows": current.phy2log.copy(), "since": time.time(), "attempts": 0,
+                         "last_error": None, "next_attempt_at": None, "gave_up": False}
+        self._count("recoveries_on_replicas")
         self.recoveries.append({"time": time.time(), "lost_workers": lost, "restarted_routers": [],
                                 "mode": "replicas", "generation": self.generation,
                                 "seconds": time.perf_counter() - started})
-        threading.Thread(target=self._reinclude, name="raymoe-reinclude", daemon=True).start()
+        self._start_reinclude()
         return self.generation
 
+    # ---- re-including restarted workers -------------------------------------------------------
+    def _reinclude_running(self) -> bool:
+        return self._reinclude_thread is not None and self._reinclude_thread.is_alive()
+
+    def _start_reinclude(self) -> None:
+        self.degraded.update(gave_up=False, next_attempt_at=time.time())
+        self._reinclude_thread = threading.Thread(target=self._reinclude, name="raymoe-reinclude", daemon=True)
+        self._reinclude_thread.start()
+
     def _reinclude(self) -> None:
-        """Once the lost workers are back, serve the full placement again."""
-        try:
-            lost = self.degraded["lost"]
-            pids = {index: self._wait_restarted(self.workers[index]) for index in lost}
-            with self._recover_lock:
-                started = time.perf_counter()
-                current = self.placement
-                restored = current.with_phy2log(self.degraded["rows"])
-                for index in lost:
-                    self.worker_pids[index] = pids[index]
-                    _until_available(lambda w=self.workers[index]: w.load_placement.remote(restored.to_dict()))
-                survivors = [w for w in range(len(self.workers)) if w not in lost]
-                self._switch_groups(restored, current.epoch, survivors, list(range(len(self.workers))))
-                ray.get([self.workers[w].retire.remote(restored.epoch) for w in survivors], timeout=CALL_TIMEOUT_S)
-                self.placement = restored
-                self.degraded = None
-                self.recoveries.append({"time": time.time(), "reincluded_workers": lost, "mode": "reinclude",
-                                        "generation": self.generation, "seconds": time.perf_counter() - started})
-        except Exception as error:  # visible in status(); the next failed step retries recovery
-            self.last = {"error": f"re-including workers failed: {type(error).__name__}: {error}",
-                         "time": time.time()}
+        """Re-include the lost workers once they are back, retrying a failed attempt with
+        exponential backoff, at most ``REINCLUDE_MAX_ATTEMPTS`` times. The replicas serve
+        throughout; every attempt and failure is counted and the last error is in status()."""
+        backoff = REINCLUDE_FIRST_BACKOFF_S
+        for attempt in range(1, REINCLUDE_MAX_ATTEMPTS + 1):
+            degraded = self.degraded
+            if degraded is None or self._stopped.is_set():
+                return
+            self._count("reinclude_attempts")
+            degraded["attempts"] += 1
+            degraded["next_attempt_at"] = None
+            try:
+                self._reinclude_once()
+                return
+            except Exception as error:  # counted, shown in status(), and tried again after a pause
+                self._count("reinclude_failures")
+                message = f"re-including workers {degraded['lost']} failed (attempt {attempt} of " \
+                          f"{REINCLUDE_MAX_ATTEMPTS}): {type(error).__name__}: {error}"
+                degraded["last_error"] = message
+                self.last = {"error": message, "time": time.time()}
+            if attempt == REINCLUDE_MAX_ATTEMPTS:
+                degraded.update(gave_up=True, next_attempt_at=None)
+                return
+            degraded["next_attempt_at"] = time.time() + backoff
+            if self._stopped.wait(backoff):
+                return
+            backoff = min(2 * backoff, REINCLUDE_MAX_BACKOFF_S)
+
+    def _reinclude_once(self) -> None:
+        """One attempt: wait for the lost workers' restart, load the full placement into them,
+        then switch everybody to it. A failure after the routers stopped rolls them back onto
+        the replicas (the degraded placement, groups over the survivors) before it is raised,
+        so requests wait a moment but are never lost."""
+        lost = self.degraded["lost"]
+        pids = {index: self._wait_restarted(self.workers[index]) for index in lost}
+        with self._recover_lock:
+            if self.degraded is None:
+                return
+            started = time.perf_counter()
+            current = self.placement
+            restored = current.with_phy2log(self.degraded["rows"])
+            for index in lost:
+                self.worker_pids[index] = pids[index]
+                self._fault("reinclude_load")
+                _until_available(lambda w=self.workers[index]: w.load_placement.remote(restored.to_dict()))
+            survivors = [w for w in range(len(self.workers)) if w not in lost]
+            try:
+                self._switch_groups(restored, current.epoch, survivors, list(range(len(self.workers))),
+                                    fault_point="reinclude_join")
+            except Exception:
+                self._roll_back(restored, survivors)
+                raise
+            ray.get([self.workers[w].retire.remote(restored.epoch) for w in survivors], timeout=CALL_TIMEOUT_S)
+            self.placement = restored
+            self.degraded = None
+            self._count("reincludes")
+            self.recoveries.append({"time": time.time(), "reincluded_workers": lost, "mode": "reinclude",
+                                    "generation": self.generation, "seconds": time.perf_counter() - started})
+
+    def _roll_back(self, attempted: PlacementTable, survivors: list[int]) -> None:
+        """Back onto the replicas after a failed switch to ``attempted``: the degraded placement
+        again, in a newer epoch (routers never go back to an older one), served by the
+        survivors, with the groups rebuilt over them; older epochs are forgotten."""
+        self._count("reinclude_rollbacks")
+        rolled = attempted.with_phy2log(self.placement.phy2log)
+        self._switch_groups(rolled, self.placement.epoch, survivors, survivors)
+        ray.get([self.workers[w].retire.remote(rolled.epoch) for w in survivors], timeout=CALL_TIMEOUT_S)
+        self.placement = rolled
+
+    # ---- fault injection (tests only) -----------------------------------------------------------
+    def inject_fault(self, point: str, times: int = 1) -> None:
+        """Make the next ``times`` passes through fault ``point`` raise :class:`InjectedFault`.
+
+        For tests only: a failed re-include becomes deterministic instead of a matter of
+        timing. ``point`` is one of ``FAULT_POINTS``; nothing calls this in serving."""
+        if point not in FAULT_POINTS:
+            raise ValueError(f"unknown fault point {point!r}; choose one of {', '.join(FAULT_POINTS)}")
+        if times < 0:
+            raise ValueError(f"times must be >= 0, got {times}")
+        self._faults[point] = times
+
+    def _fault(self, point: str | None) -> None:
+        if point is not None and self._faults.get(point, 0) > 0:
+            self._faults[point] -= 1
+            raise InjectedFault(f"fault injected at {point!r} (Controller.inject_fault)")
+
+    def _count(self, name: str) -> None:
+        with self._counters_lock:
+            self.counters[name] += 1
 
     def _join_migration_group(self) -> None:
         """All workers in one group of their own for expert copies (rank = worker index)."""
@@ -360,6 +521,7 @@ class Controller:
 
     # ---- status ---------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
+        degraded = self.degraded  # one read: the re-include thread may clear it meanwhile
         load = self.window_load()
         overall, worker_loads = placement_balancedness(load, self.placement)
         per_layer = [
@@ -381,6 +543,8 @@ class Controller:
             "bytes_moved": self.bytes_moved,
             "last_rebalance": self.last,
             "recoveries": self.recoveries,
+            "counters": dict(self.counters),
+            "degraded": None if degraded is None else {key: value for key, value in degraded.items() if key != "rows"},
             "routers": self._router_infos(),
             "last_decision": None if self.last_decision is None else {
                 "rebalance": self.last_decision.rebalance, "reason": self.last_decision.reason,

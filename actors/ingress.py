@@ -33,12 +33,16 @@ from raymoe.actors.router import StepFailure
 from raymoe.actors.serving_metrics import ServingMetrics
 from raymoe.cluster.config import ClusterConfig, parse_cluster_config
 from raymoe.engine.completions import (
-    Endpoint, ModelLimits, PreparedRequest, logprobs_body, prepare_request, response_body,
+    Endpoint, ModelLimits, PreparedRequest, prepare_request, response_body,
 )
 from raymoe.engine.engine import RequestOutput
 from raymoe.engine.openai_protocol import RequestError, new_id
-from raymoe.engine.stream_text import TextStream
+from raymoe.engine.prompt_logprobs import PromptLogprobs
+from raymoe.engine.sampling_params import SamplingParams
+from raymoe.engine.stream_choices import StreamedChoice
+from raymoe.engine.tokenize_api import detokenize_body, tokenize_body
 from raymoe.engine.tokenizer import Tokenizer
+from raymoe.engine.tool_calls import decode_keeping
 
 LOG = logging.getLogger("raymoe.ingress")
 HEALTH_TIMEOUT_S = 5.0
@@ -126,6 +130,14 @@ class OpenAIIngress:
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, Endpoint.CHAT)
 
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        return await self._tokenizer_route(request, tokenize_body)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self._tokenizer_route(request, detokenize_body)
+
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [
@@ -204,21 +216,22 @@ class OpenAIIngress:
             error = RequestError("the server is overloaded; retry shortly", status=503, error_type="server_error",
                                  code="overloaded")
             return JSONResponse(error.body(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
-        self.metrics.prompt_tokens.inc(len(prepared.prompt_ids))
+        self.metrics.prompt_tokens.inc(prepared.num_prompt_tokens)
         if prepared.stream:
             return StreamingResponse(self._sse(prepared, request_id, arrived, label), media_type="text/event-stream",
                                      headers={REPLICA_HEADER: self.replica})
         status = 500
         try:
-            output = await self._unless_disconnected(request, self._collect(prepared, request_id, arrived))
-            if output is None:  # the client went away: its sequence was aborted
+            result = await self._unless_disconnected(request, self._collect(prepared, request_id, arrived))
+            if result is None:  # the client went away: its sequences were aborted
                 status = 499
                 return Response(status_code=499)
-            if isinstance(output, StepFailure):
-                status = output.status
-                return self._failure_response(output)
-            response = JSONResponse(response_body(prepared, output, self.tokenizer, request_id, self.limits.name),
-                                    headers={REPLICA_HEADER: self.replica})
+            if isinstance(result, StepFailure):
+                status = result.status
+                return self._failure_response(result)
+            outputs, scores = result
+            response = JSONResponse(response_body(prepared, outputs, self.tokenizer, request_id, self.limits.name,
+                                                  scores), headers={REPLICA_HEADER: self.replica})
             status = 200
             return response
         finally:
@@ -231,15 +244,67 @@ class OpenAIIngress:
     def _failure_response(self, failure: StepFailure) -> JSONResponse:
         """The client hears what it may (never internal exception text); the log has the rest."""
         LOG.warning("request %s failed: %s", failure.request_id, failure.message)
+        if failure.status == 400:  # the engine refused the request itself: its text says what to change
+            return error_response(RequestError(failure.public))
         kind, code = ("server_error", "step_failed") if failure.status == 503 else ("server_error", "internal_error")
         error = RequestError(f"the request failed: {failure.public} (request id {failure.request_id})",
                              status=failure.status, error_type=kind, code=code)
         headers = {"Retry-After": str(RETRY_AFTER_S)} if failure.status == 503 else None
         return JSONResponse(error.body(), status_code=failure.status, headers=headers)
 
-    async def _collect(self, prepared: PreparedRequest, request_id: str,
-                       arrived: float) -> RequestOutput | StepFailure | None:
-        deltas = self._deltas(prepared, request_id, arrived)
+    async def _tokenizer_route(self, request: Request, handler) -> Response:
+        """/tokenize or /detokenize: ``handler(body, tokenizer, limits)`` off the event loop."""
+        try:
+            body = await self._read_body(request)
+            answer = await asyncio.get_running_loop().run_in_executor(
+                self._prepare_pool, handler, body, self.tokenizer, self.limits)
+        except RequestError as error:
+            return error_response(error)
+        return JSONResponse(answer, headers={REPLICA_HEADER: self.replica})
+
+    @staticmethod
+    def _sequence_id(request_id: str, index: int, count: int) -> str:
+        return request_id if count == 1 else f"{request_id}-{index}"
+
+    async def _collect(self, prepared: PreparedRequest, request_id: str, arrived: float
+                       ) -> tuple[list[RequestOutput], list[PromptLogprobs] | None] | StepFailure:
+        """Every sequence of the request run to its end, and its prompts scored when asked,
+        all at once; the first failure fails the request."""
+        sequences = prepared.sequences()
+        work = [self._collect_one(prepared.prompts[s.prompt_index], s.params,
+                                  self._sequence_id(request_id, k, len(sequences)), arrived)
+                for k, s in enumerate(sequences)]
+        if prepared.score_top is not None:
+            work.append(self._score(prepared.prompts, prepared.score_top, request_id))
+        results = await asyncio.gather(*work)
+        failure = next((r for r in results if isinstance(r, StepFailure)), None)
+        if failure is not None:
+            return failure
+        scores = results.pop() if prepared.score_top is not None else None
+        return list(results), scores
+
+    async def _score(self, prompts: list[list[int]], num_top: int,
+                     request_id: str) -> list[PromptLogprobs] | StepFailure:
+        """The prompts' token logprobs, as one scoring step of a router (another one if it is lost)."""
+        failed: set[int] = set()
+        while True:
+            router = self._pick_router(failed)
+            try:
+                return await self.deployment.routers[router].score_prompts.remote(prompts, num_top)
+            except ROUTER_LOST as error:
+                failed.add(router)
+                if len(failed) >= len(self.in_flight):
+                    return StepFailure(request_id, f"every router was lost while scoring: {error}",
+                                       public="the routers scoring its prompt were lost; retry")
+            except Exception as error:  # e.g. the KV cache could not hold the prompts now
+                return StepFailure(request_id, f"scoring failed: {type(error).__name__}: {error}",
+                                   public="the server could not score its prompt now; retry shortly")
+            finally:
+                self.in_flight[router] -= 1
+
+    async def _collect_one(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                           arrived: float) -> RequestOutput | StepFailure | None:
+        deltas = self._deltas(prompt_ids, params, False, request_id, arrived)
         output = None
         try:
             async for output in deltas:
@@ -320,7 +385,7 @@ class OpenAIIngress:
             if entry[0] == router:
                 entry[1].put_nowait(RouterLost(lost))
 
-    async def _deltas(self, prepared: PreparedRequest, request_id: str,
+    async def _deltas(self, prompt_ids: list[int], params: SamplingParams, stream: bool, request_id: str,
                       arrived: float) -> AsyncIterator[RequestOutput | StepFailure]:
         """The router's token deltas folded into a growing RequestOutput (or a StepFailure).
 
@@ -338,8 +403,13 @@ class OpenAIIngress:
                 self._waiting[request_id] = (router, deltas)
                 try:
                     self._subscribe(router)
-                    await self.deployment.routers[router].submit.remote(
-                        self.subscriber, request_id, prepared.prompt_ids, prepared.params)
+                    try:
+                        await self.deployment.routers[router].submit.remote(
+                            self.subscriber, request_id, prompt_ids, params)
+                    except ValueError as error:  # its engine refused it (validate_prompt: e.g. its KV never fits)
+                        finished = True
+                        yield StepFailure(request_id, str(error), public=str(getattr(error, "cause", error)), status=400)
+                        return
                     while True:
                         item = await deltas.get()
                         if isinstance(item, RouterLost):
@@ -367,7 +437,7 @@ class OpenAIIngress:
                             return
                 except (*ROUTER_LOST, RouterLost) as error:
                     failed.add(router)
-                    if (prepared.stream and tokens) or len(failed) > len(self.in_flight):
+                    if (stream and tokens) or len(failed) > len(self.in_flight):
                         finished = True
                         yield StepFailure(request_id, f"the router serving this request was lost after "
                                                       f"{len(tokens)} streamed tokens: {error}",
@@ -384,51 +454,82 @@ class OpenAIIngress:
 
     async def _sse(self, prepared: PreparedRequest, request_id: str, arrived: float,
                    label: str) -> AsyncIterator[str]:
+        """Server-sent events: an echo chunk per choice first (when asked), then each
+        sequence's pieces as they come, tagged with its choice index, then usage and [DONE]."""
         chat = prepared.endpoint is Endpoint.CHAT
-        text = TextStream(self.tokenizer.decode if self.tokenizer else (lambda ids: ""), prepared.params.stop)
-        sent_tokens = 0
-        output = None
+        keep = prepared.chat.keep_tokens if prepared.chat else {}
+        decode = ((lambda ids: decode_keeping(self.tokenizer.decode, ids, keep)) if self.tokenizer
+                  else (lambda ids: ""))
+        sequences = prepared.sequences()
+        choices = [StreamedChoice(i, prepared, self.tokenizer, decode)
+                   for i in range(len(prepared.prompts) * prepared.n)]
         status = 499  # unless it ends one of the ways below: the client went away
-        deltas = self._deltas(prepared, request_id, arrived)
+        merged: asyncio.Queue = asyncio.Queue()
+        pumps: list[asyncio.Task] = []
         try:
-            async for output in deltas:
-                if isinstance(output, StepFailure):
-                    status = output.status
-                    LOG.warning("request %s failed: %s", request_id, output.message)
-                    error = RequestError(f"the request failed: {output.public} (request id {request_id})",
-                                         status=output.status, error_type="server_error",
-                                         code="step_failed" if output.status == 503 else "internal_error")
-                    yield f"data: {json.dumps(error.body())}\n\n"
-                    break
-                piece = text.update(output.output_token_ids, output.finished, output.stop_text_index)
-                choice: dict[str, Any] = {"index": 0, "finish_reason": output.finish_reason}
-                if chat:
-                    choice["delta"] = {"role": "assistant", "content": piece} if sent_tokens == 0 else {"content": piece}
+            failure = None
+            if prepared.echo:
+                scores = None
+                if prepared.score_top is not None:
+                    scores = await self._score(prepared.prompts, prepared.score_top, request_id)
+                    if isinstance(scores, StepFailure):
+                        failure, scores = scores, None
+                if failure is None:
+                    yield self._event(self._chunk(request_id, chat, [
+                        c.echo(scores[i // prepared.n] if scores else None) for i, c in enumerate(choices)]))
+            if failure is None:
+                pumps = [asyncio.ensure_future(self._pump(
+                    k, prepared.prompts[s.prompt_index], s.params, self._sequence_id(request_id, k, len(sequences)),
+                    arrived, merged)) for k, s in enumerate(sequences)]
+            running = len(pumps)
+            while running and failure is None:
+                index, output = await merged.get()
+                if output is None:  # that sequence's stream ended
+                    running -= 1
+                elif isinstance(output, StepFailure):
+                    failure = output
                 else:
-                    choice["text"] = piece
-                choice["logprobs"] = (logprobs_body(output, self.tokenizer, chat, start=sent_tokens)
-                                      if prepared.want_logprobs else None)
-                if prepared.return_token_ids:
-                    choice["token_ids"] = output.output_token_ids[sent_tokens:]
-                    if sent_tokens == 0:
-                        choice["prompt_token_ids"] = prepared.prompt_ids
-                sent_tokens = len(output.output_token_ids)
-                yield f"data: {json.dumps(self._chunk(request_id, chat, [choice]))}\n\n"
-                if output.finished:
-                    status = 200
-            if prepared.include_usage and output is not None and not isinstance(output, StepFailure):
-                usage = {"prompt_tokens": len(prepared.prompt_ids), "completion_tokens": sent_tokens,
-                         "total_tokens": len(prepared.prompt_ids) + sent_tokens}
-                yield f"data: {json.dumps(dict(self._chunk(request_id, chat, []), usage=usage))}\n\n"
+                    yield self._event(self._chunk(request_id, chat, [choices[index].update(output)]))
+            if failure is not None:
+                status = failure.status
+                LOG.warning("request %s failed: %s", request_id, failure.message)
+                error = RequestError(f"the request failed: {failure.public} (request id {request_id})",
+                                     status=failure.status, error_type="server_error",
+                                     code="step_failed" if failure.status == 503 else "internal_error")
+                yield self._event(error.body())
+            else:
+                status = 200
+                if prepared.include_usage:
+                    sent = sum(c.sent_tokens for c in choices)
+                    usage = {"prompt_tokens": prepared.num_prompt_tokens, "completion_tokens": sent,
+                             "total_tokens": prepared.num_prompt_tokens + sent}
+                    yield self._event(dict(self._chunk(request_id, chat, []), usage=usage))
             yield "data: [DONE]\n\n"
         except Exception:
             status = 500
             LOG.exception("request %s: streaming failed", request_id)
             raise
         finally:
-            await deltas.aclose()
+            for pump in pumps:  # a sequence still running (the client went away) is aborted
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
             self._count(label, status)
             self.metrics.e2e.observe(time.perf_counter() - arrived)
+
+    async def _pump(self, index: int, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                    arrived: float, merged: asyncio.Queue) -> None:
+        """Sequence ``index``'s outputs into ``merged`` as ``(index, output)``, then ``(index, None)``."""
+        deltas = self._deltas(prompt_ids, params, True, request_id, arrived)
+        try:
+            async for output in deltas:
+                merged.put_nowait((index, output))
+        finally:
+            await deltas.aclose()
+            merged.put_nowait((index, None))
+
+    @staticmethod
+    def _event(body: dict[str, Any]) -> str:
+        return f"data: {json.dumps(body)}\n\n"
 
     def _chunk(self, request_id: str, chat: bool, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",

@@ -25,6 +25,7 @@ import torch
 from raymoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from raymoe.actors.devices import actor_cuda_device
 from raymoe.engine.ep_exchange import GroupLayout, RouterExchange
+from raymoe.engine.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from raymoe.engine.remote_experts import RemoteExperts
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.telemetry import Telemetry
@@ -237,7 +238,7 @@ class Router:
                     self._fail_all(f"{type(error).__name__}: {error}")
                 continue
             if failure is not None:
-                self._recover(failure)
+                self._recover(failure, exchange)
             if outputs:
                 self.generated_tokens += sum(len(output.new_token_ids) for output in outputs)
                 self._deliver([self._delta(output) for output in outputs])
@@ -269,14 +270,26 @@ class Router:
             raise error
         return outputs
 
-    def _recover(self, failure: BaseException) -> None:
+    def _recover(self, failure: BaseException, exchange: RouterExchange) -> None:
         """The failed step's sequences keep their state; once the supervisor has rebuilt the
-        group (restarting dead workers), the loop simply runs the step again."""
-        self.abort_comm()
+        group (restarting dead workers), the loop simply runs the step again.
+
+        Only ``exchange``, the one that failed, is aborted: the supervisor may already have
+        joined this router to a new group (it aborts routers itself when it rebuilds), and
+        aborting that one would break the new group for every peer. Then there is nothing to
+        ask for either: the next step runs on the new group."""
+        with self._lock:  # join() installs a new exchange under this lock
+            newer = self.experts.exchange is not None and self.experts.exchange is not exchange
+            if self.experts.exchange is exchange:
+                self.experts.exchange = None
+            generation = self.comm_generation
+        exchange.comm.abort()
+        if newer:
+            return
         try:
             if self.supervisor is None:
                 raise RuntimeError("no supervisor to recover with")
-            ray.get(self.supervisor.recover.remote(self.comm_generation), timeout=RECOVERY_TIMEOUT_S)
+            ray.get(self.supervisor.recover.remote(generation), timeout=RECOVERY_TIMEOUT_S)
             self.recoveries += 1
         except Exception as error:  # recovery itself failed: give up on what is in flight
             with self._lock:
@@ -403,13 +416,21 @@ class Router:
             raise job.error
         return job.result
 
+    def score_prompts(self, prompts: list[list[int]], num_top: int) -> list[PromptLogprobs]:
+        """Each prompt's token logprobs with ``num_top`` alternatives per position (echo,
+        prompt_logprobs): reduced here, so ``L * (num_top + 1)`` numbers travel, not ``L * V``."""
+        return [prompt_logprobs(logits, prompt, num_top) for logits, prompt in zip(self.score(prompts), prompts)]
+
     def num_unfinished(self) -> int:
         return len(self._queues)
 
     def get_telemetry(self) -> dict[str, Any]:
         scheduler = self.engine.scheduler
+        prefix = self.engine.prefix_cache_stats()
         return dict(self.telemetry.snapshot(), requests_running=len(scheduler.running),
-                    requests_waiting=len(scheduler.waiting), generated_tokens=self.generated_tokens)
+                    requests_waiting=len(scheduler.waiting), generated_tokens=self.generated_tokens,
+                    prefix_cache_queries=prefix.num_queried_tokens, prefix_cache_hits=prefix.num_hit_tokens,
+                    kv_cache_capacity_tokens=self.engine.kv_cache_capacity_tokens)
 
     def expert_loads_since(self, cursor: int) -> tuple[int, Any]:
         return self.telemetry.expert_loads_since(cursor)

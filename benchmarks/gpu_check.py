@@ -1,7 +1,7 @@
 """One short GPU check of raymoe on one CUDA GPU: PASS/FAIL per check, a summary, a JSON file.
 
 Sized for one H200 lease: every check has its own time budget and the whole run stays under
-8 minutes (TOTAL_BUDGET_S). Each check runs in its own Python process (this script, with
+9 minutes (TOTAL_BUDGET_S). Each check runs in its own Python process (this script, with
 ``--child``), so an exception, a crash or a hang in one (say, an NCCL call that never
 returns) is caught by its budget and hides none of the others.
 
@@ -10,11 +10,15 @@ returns) is caught by its budget and hides none of the others.
   c  the engine's logits on CUDA vs CPU (tiny random Mixtral): float32 max |diff| < 1e-3,
      bfloat16 argmax agreement and max |diff| printed
   d  grouped GEMM (``torch._grouped_mm``) vs the per-slot loop at expert-worker shapes,
-     Mixtral 8x7B and DeepSeek-V3, bfloat16: outputs compared, both timed
+     Mixtral 8x7B and DeepSeek-V3, bfloat16: outputs compared, both timed; on sm90+ the
+     grouped path must run (its two calls counted), and a grouped GEMM error FAILs the check
   e  ``raymoe.engine.experts.combine_partials`` bitwise deterministic over 20 runs (bf16)
   f  host syncs in one decode step of the engine on CUDA (informational)
   g  a one-rank NCCL communicator: exchange, abort(), re-create, exchange again
   h  one-rank NCCL ``exchange_payload`` latency for 1, 64 and 1024 rows of 7168 bf16
+  i  paged attention, FlashInfer vs the generic per-sequence SDPA path (GQA prompts with chunks
+     after cached context, a decode batch, a sliding window; MLA's latent): bf16 max |diff| < 2e-2,
+     both timed; SKIP naming the reason when FlashInfer cannot run (not installed, say)
 
 Statuses: PASS, FAIL, SKIP (cannot run here: no CUDA, no cupy NCCL, API not yet present),
 INFO (measured, nothing to pass). The exit status is 1 when any check FAILed, else 0.
@@ -50,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TOTAL_BUDGET_S = 450  # the whole run, all checks and their process starts: well under 8 minutes
+TOTAL_BUDGET_S = 510  # the whole run, all checks and their process starts: under 9 minutes
 RESERVE_S = 5  # kept back for the summary and the JSON
 
 
@@ -71,6 +75,7 @@ CHECKS = [
     Check("f", "host syncs per decode step", 40, needs_cuda=True),
     Check("g", "NCCL abort and re-create", 25, needs_cuda=True),
     Check("h", "NCCL exchange latency", 30, needs_cuda=True),
+    Check("i", "attention: FlashInfer vs SDPA", 60, needs_cuda=True),
 ]
 assert sum(c.budget_s for c in CHECKS) <= TOTAL_BUDGET_S
 
@@ -397,11 +402,37 @@ WORKER_SHAPES = [
 SMOKE_SHAPES = [("Mixtral-like (smoke)", 256, 512, 4, 64), ("DeepSeek-like (smoke)", 448, 128, 8, 128)]
 
 
+class GroupedMmCalls:
+    """Counts calls of ``torch._grouped_mm`` while active: proof of which path ran (the kernel
+    module looks the function up on ``torch`` at every call, so the wrapper sees each one)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        import torch
+
+        self._original = getattr(torch, "_grouped_mm", None)
+        if self._original is not None:
+            def counted(*args, **kwargs):
+                self.count += 1
+                return self._original(*args, **kwargs)
+
+            torch._grouped_mm = counted
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        if self._original is not None:
+            torch._grouped_mm = self._original
+
+
 def check_grouped_gemm(smoke: bool, budget_s: float) -> dict:
     import torch
 
     ensure_raymoe_importable()
-    from raymoe.kernels.expert_mlp import _can_grouped_mm, _grouped_swiglu_loop, grouped_swiglu
+    from raymoe.kernels.expert_mlp import _can_grouped_mm, _grouped_swiglu_loop, _use_grouped_mm, grouped_swiglu
 
     device = device_for(smoke)
     rows_out, failures = [], []
@@ -413,12 +444,26 @@ def check_grouped_gemm(smoke: bool, budget_s: float) -> dict:
         w2 = torch.randn(slots, hidden, inter, device=device, dtype=bf16, generator=generator).mul_(inter**-0.5)
         counts = torch.bincount(torch.randint(0, slots, (rows,), generator=torch.Generator().manual_seed(1)),
                                 minlength=slots).tolist()
+        # This GPU, torch and dtype can run torch._grouped_mm, and these shapes all have the
+        # layout it takes: grouped_swiglu must take it (a failure there raises, it never falls
+        # back to the loop), and exactly two calls (gate/up, down) prove it did.
         expected_grouped = x.is_cuda and _can_grouped_mm(x, w13)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            grouped = grouped_swiglu(x, counts, w13, w2)
-        fallback = [str(w.message) for w in caught if "grouped_mm" in str(w.message)]
-        path = "torch._grouped_mm" if expected_grouped and not fallback else "loop"
+        chosen_grouped = x.is_cuda and _use_grouped_mm(x, w13, w2)
+        try:
+            with GroupedMmCalls() as calls:
+                grouped = grouped_swiglu(x, counts, w13, w2)
+        except Exception as error:  # the grouped GEMM failed loudly, as it should: this check fails
+            failures.append(f"{name}: grouped_swiglu raised {type(error).__name__}: {str(error)[:300]}")
+            log(f"{name}: grouped_swiglu raised {type(error).__name__}: {str(error)[:300]}")
+            del x, w13, w2
+            continue
+        path = "torch._grouped_mm" if calls.count else "loop"
+        if expected_grouped and not chosen_grouped:
+            failures.append(f"{name}: the layout check sent a shape torch._grouped_mm takes to the loop")
+        if chosen_grouped and calls.count != 2:
+            failures.append(f"{name}: grouped_swiglu chose torch._grouped_mm but called it {calls.count} times, not 2")
+        if not chosen_grouped and calls.count:
+            failures.append(f"{name}: torch._grouped_mm ran although the layout check chose the loop")
         loop = _grouped_swiglu_loop(x, counts, w13, w2, list(range(slots)))
         reference = _grouped_swiglu_loop(x.float(), counts, w13.float(), w2.float(), list(range(slots)))
         rel_grouped_loop = max_rel(grouped, loop)
@@ -431,15 +476,13 @@ def check_grouped_gemm(smoke: bool, budget_s: float) -> dict:
         weight_bytes = used * 3 * inter * hidden * 2  # bf16 weights of the non-empty slots
         flops = 2 * rows * hidden * 3 * inter
         row = dict(shape=name, hidden=hidden, intermediate=inter, slots=slots, rows=rows, nonempty_slots=used,
-                   path=path, fallback_warning=fallback[:1], rel_grouped_vs_loop=rel_grouped_loop,
+                   path=path, grouped_mm_calls=calls.count, rel_grouped_vs_loop=rel_grouped_loop,
                    rel_grouped_vs_fp32=rel_grouped_ref, rel_loop_vs_fp32=rel_loop_ref,
                    grouped_ms=t_grouped * 1e3, loop_ms=t_loop * 1e3, speedup=t_loop / t_grouped,
                    grouped_weight_tb_s=weight_bytes / t_grouped / 1e12, grouped_tflop_s=flops / t_grouped / 1e12,
                    loop_weight_tb_s=weight_bytes / t_loop / 1e12)
         rows_out.append(row)
         log(f"{name}: D={hidden} I={inter} S={slots} A={rows} ({used} slots used), path {path}")
-        if fallback:
-            log(f"  fallback warning: {fallback[0][:300]}")
         log(f"  max rel diff: grouped vs loop {rel_grouped_loop:.2e}; vs fp32 loop: grouped {rel_grouped_ref:.2e}, "
             f"loop {rel_loop_ref:.2e}")
         log(f"  median of 20: grouped {t_grouped * 1e3:.3f} ms ({row['grouped_weight_tb_s']:.2f} TB/s of weights, "
@@ -451,8 +494,6 @@ def check_grouped_gemm(smoke: bool, budget_s: float) -> dict:
                              ("loop vs fp32", rel_loop_ref)]:
             if not value < 2e-2:
                 failures.append(f"{name}: {label} rel diff {value:.2e} >= 2e-2")
-        if expected_grouped and fallback:
-            failures.append(f"{name}: torch._grouped_mm fell back to the loop")
         del x, w13, w2, grouped, loop
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -680,9 +721,82 @@ def check_comm_latency(smoke: bool, budget_s: float) -> dict:
     return result("PASS", f"median {summary} (counts {medians['counts']:.0f} us)", **details)
 
 
+# ---- i: attention, FlashInfer vs the generic SDPA path ---------------------------------------
+# (name, heads, kv heads, head size, window, [(new tokens, all tokens) per sequence]): prompts
+# with chunks after cached context, a decode batch, a sliding window; MLA at DeepSeek-V3's
+# latent (R 512 + P 64, 16 heads: one tensor-parallel shard's worth).
+ATTENTION_CASES = [
+    ("prefill+chunks", 32, 8, 128, None, [(2048, 2048), (512, 3000), (1, 700), (300, 300)]),
+    ("decode x32", 32, 8, 128, None, [(1, 2048)] * 32),
+    ("window 1024", 32, 8, 128, 1024, [(1500, 1500), (256, 2500), (1, 3000)]),
+    ("mla prefill+decode", 16, 1, None, None, [(1024, 1024), (64, 900), (1, 2000), (1, 300)]),
+]
+SMOKE_ATTENTION_CASES = [("prefill+chunks (smoke)", 4, 2, 64, None, [(40, 40), (9, 30), (1, 17)]),
+                         ("mla (smoke)", 4, 1, None, None, [(20, 20), (1, 30)])]
+
+
+def check_attention_backends(smoke: bool, budget_s: float) -> dict:
+    import torch
+
+    ensure_raymoe_importable()
+    from raymoe.kernels.attention import AttentionMetadata, AttentionSpec, SdpaAttention
+    from raymoe.kernels.attention_flashinfer import FlashInferAttention, flashinfer_unsupported
+    from raymoe.moe.model_config import AttentionKind
+
+    device, dtype, block = device_for(smoke), torch.bfloat16, 16
+    rows, failures, reason = [], [], None
+    for name, heads, kv_heads, dim, window, lengths in SMOKE_ATTENTION_CASES if smoke else ATTENTION_CASES:
+        generator = torch.Generator().manual_seed(0)
+        num_blocks = sum(-(-total // block) for _, total in lengths) + 1
+        ids, tables = torch.randperm(num_blocks, generator=generator).tolist(), []
+        for _, total in lengths:  # scattered blocks, as after some churn
+            tables.append(ids[:-(-total // block)])
+            ids = ids[len(tables[-1]):]
+        metadata = AttentionMetadata.build([n for n, _ in lengths], [t for _, t in lengths], tables, block)
+        metadata = AttentionMetadata(**{k: v.to(device) for k, v in vars(metadata).items()})
+        tokens = sum(n for n, _ in lengths)
+        if dim is None:  # MLA: one latent row per token, query absorbed
+            spec = AttentionSpec(AttentionKind.MLA, heads, 1, 576, 512, 192 ** -0.5, None)
+            cache = (torch.randn(num_blocks, block, 576, generator=generator).mul_(0.5).to(dtype).to(device),)
+            q = torch.randn(tokens, heads, 576, generator=generator).mul_(0.5).to(dtype).to(device)
+        else:
+            spec = AttentionSpec(AttentionKind.GQA, heads, kv_heads, dim, dim, dim ** -0.5, window)
+            cache = tuple(torch.randn(num_blocks, block, kv_heads, dim, generator=generator).to(dtype).to(device)
+                          for _ in range(2))
+            q = torch.randn(tokens, heads, dim, generator=generator).to(dtype).to(device)
+        generic = SdpaAttention(spec)
+        expected = generic.plan(metadata, block).attend(q, cache)
+        t_generic = statistics.median(time_calls(lambda: generic.plan(metadata, block).attend(q, cache), device,
+                                                 warmup=1, iters=5))
+        row = dict(case=name, tokens=tokens, sequences=len(lengths), generic_ms=t_generic * 1e3)
+        reason = flashinfer_unsupported(spec, dtype, device)
+        if reason is None:
+            fused = FlashInferAttention(spec, dtype, device)
+            out = fused.plan(metadata, block).attend(q, cache)
+            diff = (out.float() - expected.float()).abs().max().item()
+            t_fused = statistics.median(time_calls(lambda: fused.plan(metadata, block).attend(q, cache), device,
+                                                   warmup=1, iters=5))
+            row.update(flashinfer_ms=t_fused * 1e3, max_abs_diff=diff)
+            if not (torch.isfinite(out).all() and diff < 2e-2):
+                failures.append(f"{name}: FlashInfer vs generic max |diff| {diff:.2e} (limit 2e-2)")
+        rows.append(row)
+        log(f"{name}: {tokens} tokens in {len(lengths)} sequences; generic {t_generic * 1e3:.2f} ms"
+            + (f", FlashInfer {row['flashinfer_ms']:.2f} ms, max |diff| {row['max_abs_diff']:.1e}"
+               if "flashinfer_ms" in row else f"; FlashInfer not run: {reason}"))
+    summary = "; ".join(f"{r['case']}: generic {r['generic_ms']:.2f} ms"
+                        + (f", FlashInfer {r['flashinfer_ms']:.2f} ms (diff {r['max_abs_diff']:.1e})"
+                           if "flashinfer_ms" in r else "") for r in rows)
+    if failures:
+        return result("FAIL", "; ".join(failures), cases=rows)
+    if any("flashinfer_ms" not in r for r in rows):
+        return result("SKIP", f"FlashInfer not run ({reason}); {summary}", cases=rows)
+    return result("PASS", summary, cases=rows)
+
+
 CHECK_FUNCTIONS = {
     "a": check_versions, "b": check_pytest, "c": check_engine_logits, "d": check_grouped_gemm,
     "e": check_combine_determinism, "f": check_host_syncs, "g": check_comm_abort, "h": check_comm_latency,
+    "i": check_attention_backends,
 }
 
 

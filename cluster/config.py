@@ -136,7 +136,8 @@ class BalancerSection(_Section):
 
 class EngineSection(_Section):
     max_num_seqs: Positive = 256
-    max_num_batched_tokens: Positive = 4096
+    max_num_batched_tokens: Positive | None = None  # tokens per step; default 512 on CPU, 2048 on GPU
+    enable_prefix_caching: bool = True
     block_size: Positive = 16
     max_model_len: Positive | None = None  # default: the model's max_position_embeddings
     kv_cache_bytes: Positive = 512 * 2**20

@@ -57,6 +57,7 @@ def engine_config(config: ClusterConfig) -> EngineConfig:
         block_size=config.engine.block_size,
         max_model_len=config.engine.max_model_len,
         kv_cache_bytes=config.engine.kv_cache_bytes,
+        enable_prefix_caching=config.engine.enable_prefix_caching,
         scheduler=SchedulerConfig(config.engine.max_num_seqs, config.engine.max_num_batched_tokens),
         capacity=CapacityConfig(config.capacity.factor, config.capacity.overflow),
     )

@@ -280,6 +280,8 @@ def _add_memory(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--redundant", type=int, default=0, help="redundant expert slots per layer")
     parser.add_argument("--gpu-memory-gb", type=float, default=141.0, help="per GPU, decimal GB (H200: 141)")
     parser.add_argument("--bytes-per-param", type=float, help="override the checkpoint's dtype")
+    parser.add_argument("--kv-bytes-per-value", type=int, default=2,
+                        help="bytes per KV-cache value (2: a bfloat16/float16 cache, 4: float32)")
     _common(parser)
     parser.set_defaults(func=_run_memory)
 
@@ -299,4 +301,36 @@ def _run_memory(args: argparse.Namespace) -> int:
         ("EP + redundant", f"{estimate.redundant_bytes / gb:.1f} GB/GPU ({estimate.slots_per_rank} slots/layer)  fits={fits['expert_parallel_redundant']}"),
         ("per redundant slot", f"{estimate.redundant_slot_bytes / gb:.2f} GB on the GPU that holds it"),
     ]
-    return _emit(args, estimate.to_dict(), rows)
+    kv_bytes, kv_layout = _kv_cache_per_token(args.model, args.kv_bytes_per_value)
+    kv_tokens = int(gb // kv_bytes) if kv_bytes else None
+    rows.append(("KV cache per token", f"{kv_bytes} B ({kv_layout})" if kv_bytes else kv_layout))
+    rows.append(("KV tokens per GB", f"{kv_tokens:,}" if kv_tokens else "n/a"))
+    output = {**estimate.to_dict(), "kv_cache_bytes_per_token": kv_bytes, "kv_cache_tokens_per_gb": kv_tokens}
+    return _emit(args, output, rows)
+
+
+def _kv_cache_per_token(model: str, bytes_per_value: int) -> tuple[int | None, str]:
+    """The engine's own KV-cache size per token (ModelConfig.kv_cache_values_per_token, which
+    engine/kv_cache.py allocates) in bytes, and what it holds; None for a model raymoe does
+    not serve (its weights can still be sized)."""
+    from raymoe.moe.model_config import UnsupportedModelError, parse_model_config
+    from raymoe.moe.model_presets import model_presets
+
+    presets = {name.lower(): config for name, config in model_presets().items()}
+    if model.lower() in presets:
+        raw = presets[model.lower()]
+    else:
+        path = Path(model)
+        raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    # Presets keep only the fields that size a model; the context length sizes nothing here.
+    try:
+        config = parse_model_config({"max_position_embeddings": 1, **raw})
+    except UnsupportedModelError as error:
+        return None, f"n/a: {error}"
+    per_layer = config.kv_cache_values_per_token // config.num_layers
+    if config.mla is not None:
+        held = f"MLA latent: kv_lora_rank {config.mla.kv_lora_rank} + qk_rope_head_dim {config.mla.qk_rope_head_dim}"
+    else:
+        held = f"K and V of {config.num_kv_heads} kv heads x {config.head_dim}"
+    layout = f"{config.num_layers} layers x {per_layer} values ({held}) x {bytes_per_value} B"
+    return config.kv_cache_values_per_token * bytes_per_value, layout

@@ -9,6 +9,7 @@ import sys
 
 from raymoe.engine.completions import ModelLimits
 from raymoe.engine.engine import EngineConfig, LLMEngine
+from raymoe.engine.prompt_logprobs import prompt_logprobs
 from raymoe.engine.run_batch import read_batch, run_batch
 from raymoe.engine.tokenizer import Tokenizer
 
@@ -26,6 +27,9 @@ class InProcessBatchEngine:
             for output in self.engine.step():
                 if output.finished:
                     on_finish(output)
+
+    def score_prompts(self, prompts, num_top):
+        return [prompt_logprobs(logits, prompt, num_top) for logits, prompt in zip(self.engine.score(prompts), prompts)]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -53,6 +57,11 @@ class ClusterBatchEngine:
     def run(self, requests, on_finish) -> None:
         for output in self.deployment.run(requests):
             on_finish(output)
+
+    def score_prompts(self, prompts, num_top):
+        import ray
+
+        return ray.get(self.deployment.routers[0].score_prompts.remote(prompts, num_top))
 
 
 def _run(args: argparse.Namespace) -> int:

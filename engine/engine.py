@@ -2,9 +2,10 @@
 
 One step is schedule -> run -> postprocess:
 
-1. the scheduler picks a prefill of new sequences or a decode of all running ones;
-2. the model runs the step's tokens as one flat batch and the sampler picks a token for
-   every sequence from the logits of its last position;
+1. the scheduler picks the step's tokens within its token budget: one per decoding
+   sequence, then chunks of prompts (a long prompt is spread over several steps);
+2. the model runs them as one flat batch and the sampler picks a token for every sequence
+   whose tokens are now all computed, from the logits of its last position;
 3. outputs are appended, stop conditions checked, finished sequences release their blocks.
 """
 
@@ -23,10 +24,12 @@ from raymoe.engine.checkpoint import Checkpoint
 from raymoe.engine.experts import ExpertBackend, LocalExperts
 from raymoe.engine.kv_cache import KVCache
 from raymoe.engine.model import MoEModel
+from raymoe.engine.prefix_cache import PrefixCache, PrefixCacheStats, root_key
 from raymoe.engine.sampler import sample
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.scheduler import Scheduler, SchedulerConfig
 from raymoe.engine.sequence import FinishReason, Sequence
+from raymoe.engine.structured_output import GrammarCompiler
 from raymoe.engine.weights import load_dense_weights, load_expert_stack, validate_checkpoint
 from raymoe.kernels.attention import AttentionMetadata
 from raymoe.moe.capacity import CapacityConfig
@@ -56,6 +59,7 @@ class EngineConfig:
     block_size: int = 16
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     kv_cache_bytes: int = 512 * 2**20
+    enable_prefix_caching: bool = True  # reuse full KV blocks across requests (engine/prefix_cache.py)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     keep_logits: bool = False  # attach each step's logits row to the outputs (tests, debugging)
@@ -85,8 +89,10 @@ class LLMEngine:
         engine_config: EngineConfig,
         dtype: torch.dtype,
         detokenize: Callable[[list[int]], str] | None = None,
+        grammar: GrammarCompiler | None = None,  # the vocabulary's grammar compiler, for structured output
     ):
         self.config = config
+        self.grammar = grammar
         self.model = model
         self.engine_config = engine_config
         self.device = torch.device(engine_config.device)
@@ -97,10 +103,20 @@ class LLMEngine:
         block_size = engine_config.block_size
         per_block = KVCache.bytes_per_token(config, dtype) * block_size
         max_blocks = -(-self.max_model_len // block_size) * engine_config.scheduler.max_num_seqs
-        num_blocks = max(min(engine_config.kv_cache_bytes // per_block, max_blocks), -(-self.max_model_len // block_size))
-        self.blocks = BlockManager(num_blocks, block_size)
+        num_blocks = min(engine_config.kv_cache_bytes // per_block, max_blocks)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={engine_config.kv_cache_bytes} holds no KV block ({per_block} bytes "
+                             f"for {block_size} tokens of this model); raise engine.kv_cache_bytes")
+        if num_blocks * block_size < self.max_model_len:
+            LOG.warning("the KV cache holds %d tokens, fewer than the context length %d: requests needing more "
+                        "are refused (raise engine.kv_cache_bytes)", num_blocks * block_size, self.max_model_len)
+        prefix_cache = None
+        if engine_config.enable_prefix_caching:  # blocks computed by another model must never match
+            prefix_cache = PrefixCache(root_key(f"{config!r}|{dtype}|{block_size}"))
+        self.blocks = BlockManager(num_blocks, block_size, prefix_cache)
         self.cache = KVCache(config, num_blocks, block_size, dtype, self.device)
-        self.scheduler = Scheduler(engine_config.scheduler, self.blocks)
+        self.scheduler = Scheduler(engine_config.scheduler, self.blocks,
+                                   engine_config.scheduler.token_budget(self.device.type))
         self._sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -129,18 +145,28 @@ class LLMEngine:
                 for layer in config.moe_layers
             ]
             experts = LocalExperts([s[0] for s in stacks], [s[1] for s in stacks], engine_config.capacity)
-        return cls(config, MoEModel(config, weights, experts), engine_config, dtype, detokenize)
+        grammar = _grammar_compiler(model_dir, config)
+        return cls(config, MoEModel(config, weights, experts), engine_config, dtype, detokenize, grammar)
 
     # ---- requests ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
-        generator = None
-        if not params.is_greedy:
-            generator = torch.Generator()
-            generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
+        bad = [t for t, _ in params.logit_bias if t >= self.config.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+        grammar = None
+        if params.structured is not None:
+            if self.grammar is None:
+                raise ValueError("response_format is not available: this engine has no grammar compiler (it needs "
+                                 "the checkpoint's tokenizer.json and the xgrammar package)")
+            grammar = self.grammar.new_state(params.structured)
+        generator = None  # unseeded rows draw from the device's default generator, in one batch
+        if not params.is_greedy and params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
         sequence = Sequence(request_id, list(prompt_token_ids), params, generator, next(self._arrivals))
+        sequence.grammar = grammar
         self._sequences[request_id] = sequence
         self.scheduler.add(sequence)
 
@@ -157,7 +183,21 @@ class LLMEngine:
             )
         total = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         if self.blocks.blocks_needed(total) > self.blocks.num_blocks:
-            raise ValueError(f"{total} tokens exceed the KV cache ({self.blocks.num_blocks * self.blocks.block_size} tokens)")
+            raise ValueError(
+                f"the prompt's {len(prompt_token_ids)} tokens plus max_tokens={params.max_tokens} need {total} tokens "
+                f"of KV cache; this engine's cache holds {self.kv_cache_capacity_tokens}: lower max_tokens or "
+                f"shorten the prompt (an operator can raise engine.kv_cache_bytes)"
+            )
+
+    @property
+    def kv_cache_capacity_tokens(self) -> int:
+        """Tokens the KV cache holds (all sequences together)."""
+        return self.blocks.num_blocks * self.blocks.block_size
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompt tokens looked up in the prefix cache and found there, since start."""
+        cache = self.blocks.cache
+        return cache.stats() if cache is not None else PrefixCacheStats(0, 0)
 
     def abort_request(self, request_id: str) -> None:
         sequence = self._sequences.pop(request_id, None)
@@ -174,12 +214,22 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        sequences = batch.sequences
-        last_rows = torch.tensor(list(itertools.accumulate(s.num_new_tokens for s in sequences))) - 1
-        hidden = self._run(sequences)  # [T, D]
-        logits = self.model.logits(hidden.index_select(0, last_rows.to(hidden.device))).cpu()  # [B, V]
+        hidden = self._run(batch.sequences, batch.num_new_tokens)  # [T, D]
+        self.scheduler.computed(batch)
+        # Only sequences whose tokens are now all computed sample; a prompt chunk short of its
+        # prompt's end samples nothing.
+        ends = itertools.accumulate(batch.num_new_tokens)
+        done = [(s, end - 1) for s, end in zip(batch.sequences, ends) if s.num_computed == s.num_tokens]
+        if not done:
+            self.num_steps += 1
+            self.step_seconds += time.perf_counter() - started
+            return []
+        sequences = [s for s, _ in done]
+        last_rows = torch.tensor([row for _, row in done])
+        # Sampled where the logits are: only the chosen ids and logprobs come to the host.
+        logits = self.model.logits(hidden.index_select(0, last_rows.to(hidden.device)))  # [B, V]
         try:
-            sampled = list(zip(*sample(logits, sequences)))
+            sampled = list(zip(*sample(logits, sequences, self.config.eos_token_ids)))
         except Exception:  # one sequence's sampling must not fail its batch: sample each alone
             sampled = [self._sample_alone(logits[i:i + 1], sequence) for i, sequence in enumerate(sequences)]
         outputs = []
@@ -189,23 +239,25 @@ class LLMEngine:
                 continue
             try:
                 outputs.append(self._postprocess(sequence, *choice,
-                                                 logits[i] if self.engine_config.keep_logits else None))
+                                                 logits[i].cpu() if self.engine_config.keep_logits else None))
             except Exception as error:  # e.g. its stop-string check: it alone fails
                 outputs.append(self._fail_sequence(sequence, "checking stop conditions", error))
         self.num_steps += 1
         self.step_seconds += time.perf_counter() - started
         return outputs
 
-    def _run(self, sequences: list[Sequence]) -> torch.Tensor:
+    def _run(self, sequences: list[Sequence], num_new_tokens: list[int]) -> torch.Tensor:
+        """Compute the next ``num_new_tokens[i]`` tokens of each sequence (from its
+        ``num_computed`` on; its blocks already hold room for them) and advance ``num_computed``."""
         input_ids: list[int] = []
         positions: list[int] = []
-        for sequence in sequences:
+        for sequence, count in zip(sequences, num_new_tokens):
             start = sequence.num_computed
-            input_ids.extend(sequence.token_ids()[start:])
-            positions.extend(range(start, sequence.num_tokens))
+            input_ids.extend(sequence.token_ids()[start:start + count])
+            positions.extend(range(start, start + count))
         metadata = AttentionMetadata.build(
-            [s.num_new_tokens for s in sequences],
-            [s.num_tokens for s in sequences],
+            num_new_tokens,
+            [s.num_computed + count for s, count in zip(sequences, num_new_tokens)],
             [s.block_table for s in sequences],
             self.blocks.block_size,
             self.config.num_kv_heads,
@@ -219,8 +271,8 @@ class LLMEngine:
                 _to_device(metadata, device),
                 self.cache,
             )
-        for sequence in sequences:
-            sequence.num_computed = sequence.num_tokens
+        for sequence, count in zip(sequences, num_new_tokens):
+            sequence.num_computed += count
         return hidden
 
     def _postprocess(
@@ -231,7 +283,11 @@ class LLMEngine:
         sequence.top_logprobs.append(top)
         params = sequence.params
         reason = None
+        if sequence.grammar is not None and not sequence.grammar.accept(token):
+            raise RuntimeError(f"token {token} breaks the request's response_format grammar")
         if (not params.ignore_eos and token in self.config.eos_token_ids) or token in params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif sequence.grammar is not None and sequence.grammar.is_terminated:  # it ended with its stop token
             reason = FinishReason.STOP
         elif params.stop and self.detokenize is not None and self._match_stop(sequence):
             reason = FinishReason.STOP
@@ -255,10 +311,9 @@ class LLMEngine:
             logits=logits,
         )
 
-    @staticmethod
-    def _sample_alone(logits: torch.Tensor, sequence: Sequence):
+    def _sample_alone(self, logits: torch.Tensor, sequence: Sequence):
         try:
-            tokens, logprobs, tops = sample(logits, [sequence])
+            tokens, logprobs, tops = sample(logits, [sequence], self.config.eos_token_ids)
             return tokens[0], logprobs[0], tops[0]
         except Exception as error:
             return error
@@ -300,21 +355,50 @@ class LLMEngine:
         return [final[i] for i in ids]
 
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
-        """Logits at every position of each prompt, ``[len, V]`` float32, in one prefill batch.
+        """Logits at every position of each prompt, ``[len, V]`` float32: one prefill batch
+        per group of prompts the KV cache holds at once.
 
-        Runs beside in-flight requests without touching them: its blocks are returned at once.
+        Runs beside in-flight requests: its blocks are returned at once. When the cache lacks
+        room, the newest in-flight sequences are preempted (recomputed later, as in a step).
         """
         sequences = [Sequence(f"score-{i}", list(p), SamplingParams(), None, -1) for i, p in enumerate(prompts)]
         for sequence in sequences:
             self.validate_prompt(sequence.prompt_ids, SamplingParams(max_tokens=1))
-            sequence.block_table = self.blocks.allocate(sequence.num_tokens)
-        try:
-            hidden = self._run(sequences)
-            logits = self.model.logits(hidden).cpu()
-        finally:
-            for sequence in sequences:
-                self.blocks.free(sequence.block_table)
-        return list(logits.split([len(p) for p in prompts]))
+        logits: list[torch.Tensor] = []
+        for group in self._score_groups(sequences):
+            self.scheduler.free_blocks(sum(self.blocks.blocks_needed(s.num_tokens) for s in group))
+            try:
+                for sequence in group:
+                    self.blocks.grow(sequence.block_table, sequence.num_tokens)
+                hidden = self._run(group, [s.num_tokens for s in group])
+                logits.extend(self.model.logits(hidden).cpu().split([s.num_tokens for s in group]))
+            finally:
+                for sequence in group:
+                    self.blocks.free(sequence.block_table)
+        return logits
+
+    def _score_groups(self, sequences: list[Sequence]) -> list[list[Sequence]]:
+        """Consecutive groups whose blocks fit in the KV cache together."""
+        groups: list[list[Sequence]] = [[]]
+        used = 0
+        for sequence in sequences:
+            needed = self.blocks.blocks_needed(sequence.num_tokens)
+            if groups[-1] and used + needed > self.blocks.num_blocks:
+                groups.append([])
+                used = 0
+            groups[-1].append(sequence)
+            used += needed
+        return groups
+
+
+def _grammar_compiler(model_dir: str, config: ModelConfig) -> GrammarCompiler | None:
+    """The checkpoint vocabulary's grammar compiler; None without tokenizer.json or xgrammar
+    (structured requests are then refused with a 400)."""
+    try:
+        return GrammarCompiler.from_model_dir(model_dir, config.vocab_size, list(config.eos_token_ids))
+    except ImportError:
+        LOG.warning("xgrammar is not installed: response_format (structured output) is refused")
+        return None
 
 
 def _to_device(metadata: AttentionMetadata, device: torch.device) -> AttentionMetadata:

@@ -7,9 +7,22 @@ One path per concept, chosen by the config's enums: GQA or MLA attention, option
 norms, dense MLP or routed experts (+ shared experts). Routed experts are reached only
 through an :class:`~raymoe.engine.experts.ExpertBackend`, so the same model runs with all
 experts local or spread over expert workers.
+
+Attention runs on a backend chosen once, at start-up (:func:`attention_backend`): FlashInfer's
+paged kernels on CUDA when it is installed and takes the model's shapes, else the generic
+per-sequence SDPA (kernels/attention.py). It is planned once per step and run by every layer.
+
+MLA keeps only the latent in the cache (R = kv_lora_rank, P = qk_rope_head_dim per token)
+and absorbs ``kv_b_proj`` (DeepSeek's inference form): with ``W_UK [H, nope, R]`` and
+``W_UV [H, v, R]`` its per-head halves, ``q_nope . (W_UK c) = (q_nope W_UK) . c``, so each head
+attends over the latents ``c`` with the query ``[q_nope W_UK, q_rot]`` against ``[c, k_rot]``,
+and its output over the latents is mapped by ``W_UV`` afterwards: the same scores and outputs
+as the expanded form, up to float rounding.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -17,11 +30,31 @@ import torch.nn.functional as F
 from raymoe.engine.experts import ExpertBackend
 from raymoe.engine.kv_cache import KVCache
 from raymoe.engine.weights import DenseWeights, GQAWeights, LayerWeights, MLAWeights, MLPWeights
-from raymoe.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from raymoe.kernels.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionSpec,
+    AttentionStep,
+    SdpaAttention,
+    write_cache,
+)
+from raymoe.kernels.attention_flashinfer import FlashInferAttention, flashinfer_unsupported
 from raymoe.kernels.norm import rms_norm
 from raymoe.kernels.rope import apply_rope, rope_tables
 from raymoe.moe.gating import route
 from raymoe.moe.model_config import AttentionKind, ModelConfig, QKNorm, SharedExpertKind
+
+LOG = logging.getLogger("raymoe.engine")
+
+
+def attention_backend(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> AttentionBackend:
+    """FlashInfer where it runs this model, else the generic SDPA path (the reason is logged on CUDA)."""
+    spec = AttentionSpec.from_config(config)
+    reason = flashinfer_unsupported(spec, dtype, device)
+    backend = FlashInferAttention(spec, dtype, device) if reason is None else SdpaAttention(spec)
+    if device.type == "cuda":
+        LOG.info("attention backend: %s%s", backend.name, f" (not FlashInfer: {reason})" if reason else "")
+    return backend
 
 
 class MoEModel:
@@ -32,7 +65,7 @@ class MoEModel:
         device = weights.embed.device
         cos, sin = rope_tables(config.rope, config.max_position_embeddings)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
-        self.scale = config.attention_scale
+        self.attention = attention_backend(config, weights.embed.dtype, device)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, cache: KVCache
@@ -41,14 +74,11 @@ class MoEModel:
         config = self.config
         x = self.weights.embed.index_select(0, input_ids)  # [T, D]
         cos, sin = self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
+        step = self.attention.plan(metadata, cache.block_size)
         for index, layer in enumerate(self.weights.layers):
             h = rms_norm(x, layer.input_norm, config.rms_norm_eps)
-            k_cache, v_cache = cache.layer(index)
-            if config.attention is AttentionKind.MLA:
-                h = self._mla(h, layer.attention, cos, sin, k_cache, v_cache, metadata)
-            else:
-                h = self._gqa(h, layer.attention, cos, sin, k_cache, v_cache, metadata)
-            x = x + h
+            attend = self._mla if config.attention is AttentionKind.MLA else self._gqa
+            x = x + attend(h, layer.attention, cos, sin, cache.layer(index), metadata.slot_mapping, step)
             h = rms_norm(x, layer.post_attention_norm, config.rms_norm_eps)
             x = x + self._feed_forward(index, layer, h)
         return rms_norm(x, self.weights.final_norm, config.rms_norm_eps)
@@ -58,7 +88,7 @@ class MoEModel:
         return F.linear(hidden, self.weights.lm_head).float()
 
     # ---- attention -----------------------------------------------------------------
-    def _gqa(self, h, w: GQAWeights, cos, sin, k_cache, v_cache, metadata) -> torch.Tensor:
+    def _gqa(self, h, w: GQAWeights, cos, sin, cache, slot_mapping, step: AttentionStep) -> torch.Tensor:
         c = self.config
         num_tokens, d = h.shape[0], c.head_dim
         qkv = F.linear(h, w.qkv, w.qkv_bias)
@@ -73,11 +103,13 @@ class MoEModel:
         if c.qk_norm is QKNorm.PER_HEAD:
             q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)
         q, k = apply_rope(q, cos, sin, False), apply_rope(k, cos, sin, False)
-        write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, metadata, self.scale)  # [T, H, d]
+        k_cache, v_cache = cache
+        write_cache(k_cache, k, slot_mapping)
+        write_cache(v_cache, v, slot_mapping)
+        out = step.attend(q, cache)  # [T, H, d]
         return F.linear(out.reshape(num_tokens, -1), w.o_proj)
 
-    def _mla(self, h, w: MLAWeights, cos, sin, k_cache, v_cache, metadata) -> torch.Tensor:
+    def _mla(self, h, w: MLAWeights, cos, sin, cache, slot_mapping, step: AttentionStep) -> torch.Tensor:
         c, mla = self.config, self.config.mla
         num_tokens, heads = h.shape[0], c.num_heads
         if w.q_proj is not None:
@@ -87,16 +119,16 @@ class MoEModel:
         q = q.view(num_tokens, heads, mla.qk_head_dim)
         q_nope, q_rot = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         latent, k_rot = F.linear(h, w.kv_a_proj).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-        latent = rms_norm(latent, w.kv_a_norm, c.rms_norm_eps)  # [T, kv_lora]
-        q_rot = apply_rope(q_rot, cos, sin, mla.rope_interleave)  # [T, H, rope]
-        k_rot = apply_rope(k_rot.unsqueeze(1), cos, sin, mla.rope_interleave)  # [T, 1, rope]
-        kv = F.linear(latent, w.kv_b_proj).view(num_tokens, heads, mla.qk_nope_head_dim + mla.v_head_dim)
-        k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
-        # The cache keeps expanded per-head keys and values (simple; the latent form is smaller).
-        k = torch.cat([k_nope, k_rot.expand(-1, heads, -1)], dim=-1)  # [T, H, qk]
-        q = torch.cat([q_nope, q_rot], dim=-1)
-        write_kv(k_cache, v_cache, k, v.contiguous(), metadata.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, metadata, self.scale)  # [T, H, v]
+        latent = rms_norm(latent, w.kv_a_norm, c.rms_norm_eps)  # [T, R]
+        q_rot = apply_rope(q_rot, cos, sin, mla.rope_interleave)  # [T, H, P]
+        k_rot = apply_rope(k_rot.unsqueeze(1), cos, sin, mla.rope_interleave)  # [T, 1, P]
+        (latent_cache,) = cache
+        write_cache(latent_cache, torch.cat([latent, k_rot.squeeze(1)], dim=-1), slot_mapping)  # [T, R + P]
+        # Absorb W_UK into the query: per head, q_nope [T, nope] @ W_UK [nope, R].
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)  # [T, H, R]
+        out = step.attend(torch.cat([q_latent, q_rot], dim=-1), cache)  # [T, H, R]: over the latents
+        # Absorb W_UV into the output: per head, out [T, R] @ W_UV^T [R, v].
+        out = torch.bmm(out.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         return F.linear(out.reshape(num_tokens, -1), w.o_proj)
 
     # ---- feed forward --------------------------------------------------------------

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
 from raymoe.engine.completions import Endpoint, ModelLimits, PreparedRequest, prepare_request, response_body
 from raymoe.engine.engine import RequestOutput
 from raymoe.engine.openai_protocol import RequestError, new_id
+from raymoe.engine.prompt_logprobs import PromptLogprobs
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.tokenizer import Tokenizer
 
@@ -24,6 +26,8 @@ class BatchEngine(Protocol):
     """What run-batch needs from an engine: the in-process one, or a cluster's routers."""
 
     def run(self, requests: list[tuple[str, list[int], SamplingParams]], on_finish) -> None: ...
+
+    def score_prompts(self, prompts: list[list[int]], num_top: int) -> list[PromptLogprobs]: ...
 
 
 def read_batch(lines: IO[str]) -> list[dict[str, Any]]:
@@ -50,7 +54,8 @@ def run_batch(items: list[dict[str, Any]], engine: BatchEngine, tokenizer: Token
     if show_progress and progress is None:
         progress = sys.stderr
     results: dict[int, dict[str, Any]] = {}
-    prepared: dict[str, tuple[int, PreparedRequest]] = {}
+    pending: dict[int, _Pending] = {}
+    owner: dict[str, tuple[int, int]] = {}  # sequence id -> (item index, sequence index)
     requests = []
     for index, item in enumerate(items):
         request_id = new_id("batch")
@@ -62,20 +67,42 @@ def run_batch(items: list[dict[str, Any]], engine: BatchEngine, tokenizer: Token
         except RequestError as error:
             results[index] = _line(item, request_id, error.status, error.body())
             continue
-        prepared[request_id] = (index, request)
-        requests.append((request_id, request.prompt_ids, request.params))
-    reporter = _Progress(len(requests), progress)
+        sequences = request.sequences()
+        scores = None if request.score_top is None else engine.score_prompts(request.prompts, request.score_top)
+        pending[index] = _Pending(request_id, request, [None] * len(sequences), scores)
+        for k, sequence in enumerate(sequences):
+            owner[f"{request_id}-{k}"] = (index, k)
+            requests.append((f"{request_id}-{k}", request.prompts[sequence.prompt_index], sequence.params))
+    reporter = _Progress(len(pending), progress)
 
-    def on_finish(output: RequestOutput) -> None:
-        index, request = prepared[output.request_id]
-        body = response_body(request, output, tokenizer, output.request_id, limits.name)
-        results[index] = _line(items[index], output.request_id, 200, body)
+    def finish(index: int) -> None:
+        entry = pending.pop(index)
+        body = response_body(entry.request, entry.outputs, tokenizer, entry.request_id, limits.name, entry.scores)
+        results[index] = _line(items[index], entry.request_id, 200, body)
         reporter.advance()
 
+    def on_finish(output: RequestOutput) -> None:
+        index, k = owner[output.request_id]
+        pending[index].outputs[k] = output
+        if all(o is not None for o in pending[index].outputs):
+            finish(index)
+
+    for index in [i for i, entry in pending.items() if not entry.outputs]:  # echo only: nothing to generate
+        finish(index)
     if requests:
         engine.run(requests, on_finish)
     reporter.close()
     return [results[i] for i in range(len(items))]
+
+
+@dataclass
+class _Pending:
+    """An item whose sequences are running: its outputs in ``sequences()`` order as they finish."""
+
+    request_id: str
+    request: PreparedRequest
+    outputs: list[RequestOutput | None]
+    scores: list[PromptLogprobs] | None
 
 
 def _line(item: dict[str, Any], request_id: str, status: int, body: dict[str, Any]) -> dict[str, Any]:

@@ -1,10 +1,20 @@
-"""Continuous batching: decide which sequences run in the next step.
+"""Continuous batching with chunked prefill: decide which tokens run in the next step.
 
-A step is either a prefill of newly admitted sequences (all their uncomputed tokens) or a
-decode of every running sequence (one token each). New requests join the running batch at
-the next step boundary; finished ones leave it. When the KV cache cannot grow every running
-sequence by one token, the most recent arrivals are preempted: their blocks are freed and
-they go back to the front of the queue, to be recomputed from their tokens (nothing is lost).
+Every step spends at most ``max_num_batched_tokens`` tokens, in this order:
+
+1. decodes: every running sequence whose tokens are all computed but its newest one;
+2. prompts being computed: the next chunk of each (as much as the budget has left);
+3. new admissions from the queue (first come, first served), starting from the longest
+   prefix the prefix cache holds, with a first chunk of whatever budget is left.
+
+So a long prompt is spread over steps and never stalls the running decodes for its whole
+prefill. A sequence samples a token only in the step that computes its last token. Each
+scheduled sequence's block table grows to hold the tokens it computes; when the cache has
+no block left, the newest running sequence not yet scheduled is preempted (its blocks
+freed, back to the front of the queue, recomputed later from its tokens: nothing is lost,
+and with the prefix cache its full blocks are usually found again). A sequence older than
+every candidate preempts itself, or a prompt computes a smaller chunk. No step crashes for
+want of blocks.
 """
 
 from __future__ import annotations
@@ -15,25 +25,45 @@ from dataclasses import dataclass
 from raymoe.engine.block_manager import BlockManager
 from raymoe.engine.sequence import Sequence, SequenceStatus
 
+# Tokens per step when the config leaves it open: small on a CPU, where a step's time grows
+# with its tokens from a few hundred on; larger on a GPU, where it stays flat much longer.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int | None = None  # None: DEFAULT_MAX_NUM_BATCHED_TOKENS for the device
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+    def token_budget(self, device_type: str) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device_type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"])
 
 
 @dataclass(frozen=True)
 class ScheduledBatch:
     sequences: list[Sequence]
-    is_prefill: bool
+    num_new_tokens: list[int]  # tokens each sequence computes this step, from its num_computed on
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, token_budget: int):
         self.config = config
         self.blocks = blocks
+        self.token_budget = token_budget
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
 
     def add(self, sequence: Sequence) -> None:
@@ -43,13 +73,38 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
-        admitted = self._admit()
-        if admitted:
-            return ScheduledBatch(admitted, is_prefill=True)
-        if not self.running:
+        budget = self.token_budget
+        scheduled: dict[Sequence, int] = {}  # insertion-ordered: the step's flat batch
+        preemptions = self.num_preemptions
+        # Steps 1 and 2: decodes first, then the running prompts' next chunks, oldest first.
+        for sequence in sorted(self.running, key=lambda s: (s.num_new_tokens > 1, s.arrival)):
+            if budget == 0:
+                break
+            if sequence.status is not SequenceStatus.RUNNING:  # preempted by an older one above
+                continue
+            count = self._make_room(sequence, min(sequence.num_new_tokens, budget), scheduled)
+            if count:
+                scheduled[sequence] = count
+                budget -= count
+        # Step 3: admissions, unless this step had to preempt (the cache is full).
+        preempted = self.num_preemptions > preemptions
+        while not preempted and budget and self.waiting and len(self.running) < self.config.max_num_seqs:
+            count = self._admit(self.waiting[0], budget)
+            if not count:
+                break
+            sequence = self.waiting.popleft()
+            self.running.append(sequence)
+            scheduled[sequence] = count
+            budget -= count
+        if not scheduled:
             return None
-        self._make_room_for_decode()
-        return ScheduledBatch(list(self.running), is_prefill=False)
+        return ScheduledBatch(list(scheduled), list(scheduled.values()))
+
+    def computed(self, batch: ScheduledBatch) -> None:
+        """The batch ran (every sequence's num_computed advanced): offer its new full blocks
+        to the prefix cache."""
+        for sequence in batch.sequences:
+            self.blocks.cache_computed(sequence)
 
     def finish(self, sequence: Sequence) -> None:
         """Release a finished (or aborted) sequence's blocks and drop it from the queues."""
@@ -60,42 +115,54 @@ class Scheduler:
         elif sequence in self.waiting:
             self.waiting.remove(sequence)
 
-    def _admit(self) -> list[Sequence]:
-        admitted: list[Sequence] = []
-        budget = self.config.max_num_batched_tokens
-        # Keep one block per running sequence in reserve so admission doesn't starve decode.
-        reserve = len(self.running)
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            sequence = self.waiting[0]
-            tokens = sequence.num_tokens
-            if admitted and tokens > budget:
-                break
-            if not self.blocks.can_allocate(tokens, reserve):
-                break
-            self.waiting.popleft()
-            sequence.block_table = self.blocks.allocate(tokens)
-            sequence.num_computed = 0
-            sequence.status = SequenceStatus.RUNNING
-            self.running.append(sequence)
-            admitted.append(sequence)
-            budget -= tokens
-        return admitted
+    def free_blocks(self, num_blocks: int) -> None:
+        """Preempt the newest running sequences until ``num_blocks`` blocks are free (for work
+        outside the schedule, such as scoring; ``num_blocks`` <= the cache's blocks)."""
+        while self.blocks.num_free_blocks < num_blocks and self.running:
+            self._preempt(max(self.running, key=lambda s: s.arrival))
 
-    def _make_room_for_decode(self) -> None:
-        # Every running sequence needs room for one more token; preempt the newest until it fits.
-        while True:
-            needed = sum(max(0, self.blocks.blocks_needed(s.num_tokens) - len(s.block_table)) for s in self.running)
-            if needed <= self.blocks.num_free_blocks or len(self.running) == 1:
+    # ---- internals ---------------------------------------------------------------------
+    def _make_room(self, sequence: Sequence, count: int, scheduled: dict[Sequence, int]) -> int:
+        """Grow ``sequence``'s blocks for ``count`` more tokens, preempting newer running
+        sequences not yet scheduled; returns the tokens it may compute (0: it was preempted)."""
+        blocks = self.blocks
+        while not blocks.can_grow(sequence.block_table, sequence.num_computed + count):
+            candidates = [s for s in self.running if s is not sequence and s not in scheduled]
+            victim = max(candidates, key=lambda s: s.arrival, default=None)
+            if victim is not None and victim.arrival > sequence.arrival:
+                self._preempt(victim)
+                continue
+            room = (len(sequence.block_table) + blocks.num_free_blocks) * blocks.block_size - sequence.num_computed
+            if count > 1 and room > 0:  # a prompt's chunk shrinks to the room there is
+                count = room
                 break
-            victim = max(self.running, key=lambda s: s.arrival)
-            self._preempt(victim)
-        for sequence in self.running:
-            self.blocks.grow(sequence.block_table, sequence.num_tokens)
+            self._preempt(sequence)
+            return 0
+        blocks.grow(sequence.block_table, sequence.num_computed + count)
+        return count
+
+    def _admit(self, sequence: Sequence, budget: int) -> int:
+        """Admit ``sequence`` with its first chunk if the cache has room; returns that chunk's
+        size (0: not admitted). One free block per running sequence stays in reserve, so
+        admissions do not starve the decodes."""
+        blocks = self.blocks
+        hits = blocks.match_prefix(sequence)
+        start = len(hits) * blocks.block_size
+        count = min(sequence.num_tokens - start, budget)
+        spare = blocks.num_free_blocks - len(self.running) - blocks.blocks_to_admit(hits, start)
+        count = min(count, (len(hits) + spare) * blocks.block_size - start)
+        if count <= 0:
+            return 0
+        blocks.admit(sequence, hits)
+        blocks.grow(sequence.block_table, start + count)
+        sequence.status = SequenceStatus.RUNNING
+        return count
 
     def _preempt(self, sequence: Sequence) -> None:
         self.running.remove(sequence)
         self.blocks.free(sequence.block_table)
         sequence.num_computed = 0
+        sequence.num_cached_blocks = 0
         sequence.status = SequenceStatus.WAITING
         sequence.num_preemptions += 1
         self.num_preemptions += 1

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from raymoe.engine.sampling_params import SamplingParams
+from raymoe.engine.structured_output import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -34,10 +36,14 @@ class Sequence:
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose keys/values are in the cache
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its first full blocks
+    num_cached_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_text_index: int | None = None  # where a matched stop string starts in the output text
     num_preemptions: int = 0
+    penalty_state: Any = None  # sampler.PenaltyState: token counts on the device, for penalised requests
+    grammar: GrammarState | None = None  # where the output stands in its structured-output grammar
 
     @property
     def num_tokens(self) -> int:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
-from typing import Any
+from typing import Any, Callable
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -42,6 +43,9 @@ class Tokenizer:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template: str | None = template or None
         self._compiled = None
+        self._added_ids = set(self._tokenizer.get_added_tokens_decoder())
+        self._piece_bytes = _piece_decoder(self._tokenizer.decoder)
+        self._bytes: dict[int, bytes] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -62,7 +66,25 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for in decoded text (a byte-level piece such as
+        ``ĠFrance`` is `` France``; a piece of a multi-byte character is that part alone)."""
+        cached = self._bytes.get(token_id)
+        if cached is None:
+            piece = self._tokenizer.id_to_token(token_id)
+            if piece is None:
+                cached = b""
+            elif token_id in self._added_ids:  # special and added tokens are their own text
+                cached = piece.encode("utf-8")
+            else:
+                cached = self._piece_bytes(piece)
+            self._bytes[token_id] = cached
+        return cached
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render ``messages`` (and ``tools``, OpenAI's ``{"type": "function", "function": ...}``
+        entries, as transformers passes them) with the checkpoint's chat template."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions with a plain prompt")
         if self._compiled is None:
@@ -71,8 +93,12 @@ class Tokenizer:
             def raise_exception(message: str) -> None:
                 raise ChatTemplateError(message)
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = raise_exception
+            # As transformers renders templates (what checkpoints were trained on): tojson keeps
+            # key order and does not escape HTML, unlike Jinja's own filter.
+            env.filters["tojson"] = _tojson
             self._compiled = env.from_string(self.chat_template)
         # Rendered piece by piece, so that a template that grows without bound or runs long
         # is stopped at the limits (the sandbox already bounds ranges and forbids unsafe calls).
@@ -82,6 +108,7 @@ class Tokenizer:
             for piece in self._compiled.generate(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=_token_text(self.config.get("bos_token")),
                 eos_token=_token_text(self.config.get("eos_token")),
             ):
@@ -99,7 +126,60 @@ class Tokenizer:
         return "".join(pieces)
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _token_text(token: Any) -> str:
     if isinstance(token, dict):
         return token.get("content", "")
     return token or ""
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins (GPT-2's): the character that spells each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    stand_ins, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            stand_ins[chr(byte)] = byte
+        else:  # unprintable bytes are spelled by the characters from U+0100 on, in order
+            stand_ins[chr(256 + extra)] = byte
+            extra += 1
+    return stand_ins
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _piece_decoder(decoder: Any) -> Callable[[str], bytes]:
+    """How a vocabulary piece becomes bytes under the tokenizer's decoder (byte-level BPE,
+    SentencePiece-style ``▁`` and ``<0xNN>`` byte fallback, WordPiece ``##``)."""
+    spec = json.loads(decoder.__getstate__()) if decoder is not None else {}
+    parts = spec.get("decoders", [spec]) if spec.get("type") == "Sequence" else [spec]
+    kinds = {part.get("type") for part in parts}
+    if "ByteLevel" in kinds:
+        alphabet = _byte_level_alphabet()
+
+        def byte_level(piece: str) -> bytes:
+            if all(c in alphabet for c in piece):
+                return bytes(alphabet[c] for c in piece)
+            return piece.encode("utf-8")
+        return byte_level
+    replacements = [(p["pattern"]["String"], p["content"]) for p in parts
+                    if p.get("type") == "Replace" and "String" in p.get("pattern", {})]
+    replacements += [(p.get("replacement", "\u2581"), " ") for p in parts if p.get("type") == "Metaspace"]
+    prefix = next((p.get("prefix", "##") for p in parts if p.get("type") == "WordPiece"), None)
+    byte_fallback = "ByteFallback" in kinds
+
+    def text_piece(piece: str) -> bytes:
+        if byte_fallback and (match := _BYTE_FALLBACK.fullmatch(piece)):
+            return bytes([int(match.group(1), 16)])
+        if prefix and piece.startswith(prefix):
+            piece = piece[len(prefix):]
+        for pattern, content in replacements:
+            piece = piece.replace(pattern, content)
+        return piece.encode("utf-8")
+    return text_piece

@@ -40,7 +40,10 @@ class MLAWeights:
     q_b_proj: torch.Tensor | None  # [H qk, q_lora]
     kv_a_proj: torch.Tensor  # [kv_lora + rope, D]
     kv_a_norm: torch.Tensor  # [kv_lora]
-    kv_b_proj: torch.Tensor  # [H (nope + v), kv_lora]
+    # kv_b_proj [H (nope + v), kv_lora] split per head, to be absorbed into the query and the
+    # output (the cache keeps the latent, engine/model.py):
+    w_uk: torch.Tensor  # [H, nope, kv_lora] latent -> each head's k_nope
+    w_uv: torch.Tensor  # [H, v, kv_lora] latent -> each head's value
     o_proj: torch.Tensor  # [D, H v]
 
 
@@ -242,7 +245,9 @@ def _mlp(get, prefix: str) -> MLPWeights:
 
 def _attention(get, config: ModelConfig, p: str) -> GQAWeights | MLAWeights:
     if config.attention is AttentionKind.MLA:
-        lora = config.mla.q_lora_rank is not None
+        mla = config.mla
+        lora = mla.q_lora_rank is not None
+        kv_b = get(p + "kv_b_proj.weight").view(config.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, -1)
         return MLAWeights(
             q_proj=None if lora else get(p + "q_proj.weight"),
             q_a_proj=get(p + "q_a_proj.weight") if lora else None,
@@ -250,7 +255,8 @@ def _attention(get, config: ModelConfig, p: str) -> GQAWeights | MLAWeights:
             q_b_proj=get(p + "q_b_proj.weight") if lora else None,
             kv_a_proj=get(p + "kv_a_proj_with_mqa.weight"),
             kv_a_norm=get(p + "kv_a_layernorm.weight"),
-            kv_b_proj=get(p + "kv_b_proj.weight"),
+            w_uk=kv_b[:, : mla.qk_nope_head_dim].contiguous(),
+            w_uv=kv_b[:, mla.qk_nope_head_dim:].contiguous(),
             o_proj=get(p + "o_proj.weight"),
         )
     qkv = torch.cat([get(p + "q_proj.weight"), get(p + "k_proj.weight"), get(p + "v_proj.weight")])

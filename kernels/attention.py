@@ -1,31 +1,55 @@
-"""Attention over a paged KV cache for a batch of sequences of different lengths.
+"""Paged attention for one step's sequences, with no ``[B, H, Q, K]`` buffer for the batch.
 
 Legend: T new tokens in the step (sequences laid out one after another), B sequences,
-Q the longest query of the step, K the longest context, H query heads, Hkv kv heads,
-Dk / Dv key / value head sizes, C cache slots (blocks * block_size).
+H query heads, Hkv kv heads, Dk / Dv key / value sizes, N cache blocks of ``bs`` slots;
+for one sequence, n its new tokens and k the keys they see; R MLA's latent rank, P its
+roped key size.
 
-The step's metadata (:class:`AttentionMetadata`) is built once per step and shared by every
-layer. Each layer writes its new keys/values into the cache at ``slot_mapping`` and then
-attends, per sequence, to its whole context gathered from the cache, padded to ``[B, K]``
-with a boolean mask (causal within the new tokens, sliding window where the model has one).
-On the CPU this runs torch's SDPA; GQA heads share kv heads without a copy.
+Per step, :meth:`AttentionMetadata.build` says for every sequence how many of its tokens are
+new (the last ones), how many it has in all and which cache blocks hold them. A chunk of a
+prompt may start after cached context: its queries see that context and, causally, each other.
+A backend turns the metadata into an :class:`AttentionStep` once per step (its plan), which
+every layer then runs.
+
+One layer's cache is a tuple of paged tensors (FlashInfer's NHD layout; engine/kv_cache.py):
+
+- GQA: keys ``[N, bs, Hkv, Dk]`` and values ``[N, bs, Hkv, Dv]``;
+- MLA: one latent ``[N, bs, R + P]`` (the normalised kv latent, then the roped key). Every
+  head's key is the whole row and its value the first R columns; queries come absorbed into
+  the latent space (``[T, H, R + P]``) and outputs leave it (``[T, H, R]``), see engine/model.py.
+
+:class:`SdpaAttention` is the generic path (the CPU, or CUDA without FlashInfer): per
+sequence, torch's SDPA over that sequence's own context, gathered from its blocks into one
+contiguous ``[k, Hkv, D]`` (a view of the cache when its blocks are consecutive). A whole
+prompt runs ``is_causal`` with no mask; a chunk after cached context, or a sliding window,
+runs in blocks of at most ``QUERY_BLOCK`` queries, each with a mask of its own
+``[<= QUERY_BLOCK, k]``; a decode query sees its (window of) context with no mask. GQA heads
+share their kv head through SDPA's ``enable_gqa``, never a copy. On the CPU, SDPA's flash
+kernel then runs in tiles (it needs 4-D inputs and Dk == Dv, which is why MLA's values are
+the whole latent row and the output is cut to R).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from raymoe.moe.model_config import AttentionKind, ModelConfig
+
+QUERY_BLOCK = 256  # queries per masked SDPA call: the mask is at most QUERY_BLOCK x k
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
+    """Where each sequence of the step stands; tensors only, so it moves with ``.to(device)``."""
+
+    query_lens: torch.Tensor  # [B] new tokens (the last of the sequence's tokens)
+    context_lens: torch.Tensor  # [B] all its tokens: cached context + new
+    block_tables: torch.Tensor  # [B, max_blocks] cache blocks in order (pad: 0)
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
-    query_rows: torch.Tensor  # [B, Q] row of each query in the step (pad: T, a zero row)
-    query_valid: torch.Tensor  # [B, Q] bool
-    kv_rows: torch.Tensor  # [B * Hkv * K] rows of the cache viewed as [C * Hkv, D] (pad: slot 0)
-    mask: torch.Tensor  # [B, 1, Q, K] bool, True where the query may attend
 
     @classmethod
     def build(
@@ -34,88 +58,217 @@ class AttentionMetadata:
         context_lens: list[int],
         block_tables: list[list[int]],
         block_size: int,
-        num_kv_heads: int,
+        num_kv_heads: int | None = None,
         sliding_window: int | None = None,
     ) -> "AttentionMetadata":
-        """Metadata for sequences whose last ``query_lens[i]`` of ``context_lens[i]`` tokens are new."""
-        num_seqs = len(query_lens)
-        max_query, max_context = max(query_lens), max(context_lens)
-        max_blocks = -(-max_context // block_size)
-        # Step 1: per-sequence block tables, padded, expanded to slots [B, K].
-        tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int64)
+        """Metadata for sequences whose last ``query_lens[i]`` of ``context_lens[i]`` tokens are new.
+
+        ``num_kv_heads`` and ``sliding_window`` are not needed any more (the backend holds the
+        model's heads and window); they are accepted so callers written for the earlier
+        padded layout keep working.
+        """
+        del num_kv_heads, sliding_window
+        if not len(query_lens) == len(context_lens) == len(block_tables) or not query_lens:
+            raise ValueError(
+                f"need one query length, context length and block table per sequence, got "
+                f"{len(query_lens)}, {len(context_lens)}, {len(block_tables)}"
+            )
+        num_blocks = [-(-total // block_size) for total in context_lens]
+        for i, (new, total, table) in enumerate(zip(query_lens, context_lens, block_tables)):
+            if not 1 <= new <= total or len(table) < num_blocks[i]:
+                raise ValueError(
+                    f"sequence {i}: {new} new of {total} tokens in {len(table)} blocks of {block_size}; "
+                    f"need 1 <= new <= total <= blocks * block_size"
+                )
+        # Step 1: block tables, padded to the longest.
+        tables = torch.zeros(len(query_lens), max(num_blocks), dtype=torch.int64)
         for i, table in enumerate(block_tables):
-            used = table[: -(-context_lens[i] // block_size)]
-            tables[i, : len(used)] = torch.tensor(used, dtype=torch.int64)
-        offsets = torch.arange(block_size, dtype=torch.int64)
-        kv_slots = (tables.unsqueeze(-1) * block_size + offsets).view(num_seqs, -1)[:, :max_context]
-        # Step 2: query rows and positions.
+            tables[i, : num_blocks[i]] = torch.tensor(table[: num_blocks[i]], dtype=torch.int64)
+        # Step 2: each new token's sequence and position, then its slot.
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         ctx_lens = torch.tensor(context_lens, dtype=torch.int64)
-        q_index = torch.arange(max_query, dtype=torch.int64)
-        query_valid = q_index.unsqueeze(0) < q_lens.unsqueeze(1)  # [B, Q]
-        row_start = torch.cumsum(q_lens, 0) - q_lens
-        num_tokens = int(q_lens.sum())
-        query_rows = torch.where(query_valid, row_start.unsqueeze(1) + q_index, num_tokens)
-        q_pos = (ctx_lens - q_lens).unsqueeze(1) + q_index  # [B, Q]
-        # Step 3: mask: key j visible to query i iff j <= pos_i (and inside the window).
-        k_pos = torch.arange(max_context, dtype=torch.int64)
-        visible = k_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)  # [B, Q, K]
-        if sliding_window:
-            visible &= k_pos.view(1, 1, -1) > q_pos.unsqueeze(-1) - sliding_window
-        visible &= query_valid.unsqueeze(-1)
-        visible[..., 0] |= ~query_valid  # padding queries see key 0: no all-masked rows (NaN)
-        # Step 4: the new tokens' own slots.
-        new_slots = torch.where(query_valid, kv_slots.gather(1, torch.clamp(q_pos, max=max_context - 1)), -1)
-        # Step 5: gather rows laid out [B, Hkv, K]: one index_select yields contiguous
-        # per-head keys, which SDPA reads fastest (measured 3x faster than slot indexing).
-        heads = torch.arange(num_kv_heads, dtype=torch.int64).view(1, -1, 1)
-        kv_rows = (kv_slots.unsqueeze(1) * num_kv_heads + heads).reshape(-1)
-        return cls(
-            slot_mapping=new_slots[query_valid],
-            query_rows=query_rows,
-            query_valid=query_valid,
-            kv_rows=kv_rows,
-            mask=visible.unsqueeze(1),
-        )
-
-    @property
-    def num_seqs(self) -> int:
-        return self.query_rows.shape[0]
+        seq = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # [T]
+        first_row = torch.cumsum(q_lens, 0) - q_lens
+        positions = torch.arange(seq.shape[0]) - first_row[seq] + (ctx_lens - q_lens)[seq]  # [T]
+        slots = tables[seq, positions // block_size] * block_size + positions % block_size
+        return cls(query_lens=q_lens, context_lens=ctx_lens, block_tables=tables, slot_mapping=slots)
 
 
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Store ``k: [T, Hkv, Dk]``, ``v: [T, Hkv, Dv]`` at ``slot_mapping`` of the flat caches ``[C, Hkv, D]``."""
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+@dataclass(frozen=True)
+class AttentionSpec:
+    """A model's attention as a backend sees it, fixed at start-up."""
+
+    kind: AttentionKind
+    num_heads: int
+    num_kv_heads: int  # 1 for MLA: one latent shared by every head
+    key_dim: int  # Dk; MLA: R + P
+    value_dim: int  # Dv; MLA: R
+    scale: float
+    sliding_window: int | None
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> "AttentionSpec":
+        if config.attention is AttentionKind.MLA:
+            rank, rope = config.mla.kv_lora_rank, config.mla.qk_rope_head_dim
+            return cls(AttentionKind.MLA, config.num_heads, 1, rank + rope, rank, config.attention_scale, None)
+        return cls(AttentionKind.GQA, config.num_heads, config.num_kv_heads, config.head_dim, config.v_head_dim,
+                   config.attention_scale, config.sliding_window)
 
 
-def paged_attention(
+class AttentionStep(Protocol):
+    """One step's plan, run by every layer."""
+
+    def attend(self, q: torch.Tensor, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``q: [T, H, Dk]`` against one layer's cache (already holding the new tokens) -> ``[T, H, Dv]``."""
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def plan(self, metadata: AttentionMetadata, block_size: int) -> AttentionStep:
+        """Once per step, before the first layer."""
+
+
+def write_cache(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store ``rows: [T, ...]`` at ``slot_mapping`` of one paged cache tensor ``[N, bs, ...]``."""
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows)
+
+
+# ---- the generic backend -------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Span:
+    """One sequence of the step, in host integers."""
+
+    first_row: int  # its first new token's row in the step
+    num_new: int
+    first_key: int  # the first position any of its queries sees (a window may hide the start)
+    num_tokens: int
+    seq: int  # its row of the block tables
+    first_block: int  # index in its table of the block holding first_key
+    run_start: int | None  # the physical block of first_block when its blocks are consecutive
+
+
+class SdpaAttention:
+    """The generic path: per-sequence SDPA over contiguous views (see the module docstring)."""
+
+    name = "sdpa"
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+
+    def plan(self, metadata: AttentionMetadata, block_size: int) -> "SdpaStep":
+        window = self.spec.sliding_window
+        q_lens, ctx_lens = metadata.query_lens.cpu(), metadata.context_lens.cpu()
+        first_key = ctx_lens - q_lens - window + 1 if window else torch.zeros_like(ctx_lens)
+        first_key = first_key.clamp(min=0)
+        first_block = first_key // block_size
+        last_block = (ctx_lens - 1) // block_size
+        # A sequence's visible blocks are one run when no step between them breaks the +1 chain.
+        tables = metadata.block_tables.cpu()
+        breaks = torch.cat([torch.zeros(tables.shape[0], 1, dtype=torch.int64),
+                            (tables[:, 1:] - tables[:, :-1] != 1).long().cumsum(1)], dim=1)  # [B, max_blocks]
+        rows = torch.arange(tables.shape[0])
+        consecutive = breaks[rows, last_block] == breaks[rows, first_block]
+        starts = tables[rows, first_block]
+        first_rows = torch.cumsum(q_lens, 0) - q_lens
+        spans = [
+            _Span(row, new, key, total, i, block, start if run else None)
+            for i, (row, new, key, total, block, start, run) in enumerate(zip(
+                first_rows.tolist(), q_lens.tolist(), first_key.tolist(), ctx_lens.tolist(),
+                first_block.tolist(), starts.tolist(), consecutive.tolist()))
+        ]
+        return SdpaStep(self.spec, spans, metadata.block_tables, block_size)
+
+
+class SdpaStep:
+    def __init__(self, spec: AttentionSpec, spans: list[_Span], block_tables: torch.Tensor, block_size: int):
+        self.spec = spec
+        self.spans = spans
+        self.block_tables = block_tables  # [B, max_blocks] on the cache's device
+        self.block_size = block_size
+
+    def attend(self, q: torch.Tensor, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if len(self.spans) == 1:  # SDPA's output is already [n, H, Dv]-contiguous: no copy
+            return self._attend_span(q, cache, self.spans[0])
+        out = q.new_empty(q.shape[0], self.spec.num_heads, self.spec.value_dim)  # [T, H, Dv]
+        for span in self.spans:
+            out[span.first_row: span.first_row + span.num_new] = self._attend_span(q, cache, span)
+        return out
+
+    def _attend_span(self, q: torch.Tensor, cache: tuple[torch.Tensor, ...], span: _Span) -> torch.Tensor:
+        spec = self.spec
+        q = q[span.first_row: span.first_row + span.num_new]
+        first_query = span.num_tokens - span.num_new
+        if spec.kind is AttentionKind.MLA:
+            (latent,) = cache
+            keys = self._context(latent, span).unsqueeze(1)  # [k, 1, R + P]: keys and values both
+            out = attend_sequence(q, keys, keys, first_query, span.first_key, spec.scale, spec.sliding_window)
+            return out[..., : spec.value_dim]  # the values were the whole row: keep R
+        k_cache, v_cache = cache
+        keys, values = self._context(k_cache, span), self._context(v_cache, span)
+        return attend_sequence(q, keys, values, first_query, span.first_key, spec.scale, spec.sliding_window)
+
+    def _context(self, cache: torch.Tensor, span: _Span) -> torch.Tensor:
+        """The sequence's visible context ``[k, ...]`` from a paged ``[N, bs, ...]`` tensor:
+        a view when its blocks are consecutive, else one gather of its blocks."""
+        size = self.block_size
+        last_block = (span.num_tokens - 1) // size + 1
+        count = last_block - span.first_block
+        if span.run_start is not None:
+            blocks = cache[span.run_start: span.run_start + count]
+        else:
+            blocks = cache.index_select(0, self.block_tables[span.seq, span.first_block: last_block])
+        offset = span.first_block * size
+        return blocks.flatten(0, 1)[span.first_key - offset: span.num_tokens - offset]
+
+
+def attend_sequence(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    first_query: int,
+    first_key: int,
     scale: float,
+    sliding_window: int | None,
 ) -> torch.Tensor:
-    """Attend ``q: [T, H, Dk]`` to the cached context; returns ``[T, H, Dv]``.
+    """One sequence: ``q: [n, H, Dk]`` at positions ``first_query + i`` against ``keys: [k, Hkv, Dk]``,
+    ``values: [k, Hkv, Dv]`` at positions ``first_key + j`` (ending with the queries' own) -> ``[n, H, Dv]``.
 
-    ``k_cache: [C, Hkv, Dk]`` and ``v_cache: [C, Hkv, Dv]`` already hold the new tokens.
+    Query i sees key j when ``j <= i`` and, with a window w, ``j > i - w``; keys before
+    ``first_key`` are hidden from every query (the caller trims them).
     """
-    num_tokens, num_kv_heads = q.shape[0], k_cache.shape[1]
-    num_seqs, max_context = metadata.num_seqs, metadata.mask.shape[-1]
-    padded = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[metadata.query_rows]  # [B, Q, H, Dk]
-    keys = k_cache.view(-1, k_cache.shape[2]).index_select(0, metadata.kv_rows)
-    values = v_cache.view(-1, v_cache.shape[2]).index_select(0, metadata.kv_rows)
+    num_new = q.shape[0]
+    if first_key + keys.shape[0] != first_query + num_new:
+        raise ValueError(f"keys end at {first_key + keys.shape[0]}, queries at {first_query + num_new}")
+    if first_key == first_query and (sliding_window is None or sliding_window >= num_new):
+        return _sdpa(q, keys, values, scale, is_causal=True)  # a whole prompt: SDPA's own causal mask
+    if num_new == 1:
+        return _sdpa(q, keys, values, scale)  # a decode: every given key is visible
+    outputs = []
+    for start in range(0, num_new, QUERY_BLOCK):
+        stop = min(start + QUERY_BLOCK, num_new)
+        q_pos = torch.arange(first_query + start, first_query + stop, device=q.device).unsqueeze(1)  # [n', 1]
+        lo = first_key if sliding_window is None else max(first_key, first_query + start - sliding_window + 1)
+        hi = first_query + stop  # keys after the block's last query are hidden from all of it
+        k_pos = torch.arange(lo, hi, device=q.device)  # [k']
+        visible = k_pos <= q_pos
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
+        keys_block = slice(lo - first_key, hi - first_key)
+        outputs.append(_sdpa(q[start:stop], keys[keys_block], values[keys_block], scale, mask=visible))
+    return torch.cat(outputs)
+
+
+def _sdpa(q, keys, values, scale: float, is_causal: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``q: [n, H, Dk]``, ``keys: [k, Hkv, Dk]``, ``values: [k, Hkv, Dv]`` -> ``[n, H, Dv]``, as 4-D views
+    (SDPA's fused CPU kernel takes 4-D inputs only)."""
     out = F.scaled_dot_product_attention(
-        padded.transpose(1, 2),
-        keys.view(num_seqs, num_kv_heads, max_context, -1),  # [B, Hkv, K, Dk]
-        values.view(num_seqs, num_kv_heads, max_context, -1),  # [B, Hkv, K, Dv]
-        attn_mask=metadata.mask,
+        q.transpose(0, 1).unsqueeze(0),  # [1, H, n, Dk]
+        keys.transpose(0, 1).unsqueeze(0),  # [1, Hkv, k, Dk]
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=is_causal,
         scale=scale,
-        enable_gqa=num_kv_heads != q.shape[1],
-    )  # [B, H, Q, Dv]
-    out = out.transpose(1, 2)[metadata.query_valid]  # [T, H, Dv]
-    if out.shape[0] != num_tokens:
-        raise RuntimeError(f"attention produced {out.shape[0]} rows for {num_tokens} tokens")
-    return out
+        enable_gqa=q.shape[1] != keys.shape[1],
+    )  # [1, H, n, Dv]
+    return out[0].transpose(0, 1)

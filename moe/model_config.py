@@ -131,6 +131,18 @@ class ModelConfig:
             scale *= mscale * mscale
         return scale
 
+    @property
+    def kv_cache_values_per_token(self) -> int:
+        """Values the KV cache keeps per token, all layers together: MLA's latent and roped key
+        (``kv_lora_rank + qk_rope_head_dim`` per layer; the heads' keys and values are never
+        stored), else every kv head's key and value. engine/kv_cache.py allocates this and
+        ``raymoe plan memory`` reports it."""
+        if self.mla is not None:
+            per_layer = self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        else:
+            per_layer = self.num_kv_heads * (self.head_dim + self.v_head_dim)
+        return self.num_layers * per_layer
+
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
 

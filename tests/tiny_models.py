@@ -85,3 +85,46 @@ def build_skewed_model(hot_experts=(0, 1), seed: int = 0):
                 buffer.zero_()
                 buffer[list(hot_experts)] = 10.0
     return model
+
+
+# A Qwen2.5-style chat template with tools (Hermes <tool_call> blocks), written for the tiny
+# checkpoints: the demo tokenizer's ChatML template has no tools.
+QWEN_TOOLS_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions. Signatures within <tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each call, return a JSON object within <tool_call></tool_call> tags:\\n"
+    "<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' }}"
+    "{{- call.function.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def use_chat_template(path: str, template: str = QWEN_TOOLS_TEMPLATE) -> str:
+    """Replace the chat template of the checkpoint at ``path`` (tokenizer_config.json)."""
+    config_path = os.path.join(path, "tokenizer_config.json")
+    with open(config_path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    config["chat_template"] = template
+    with open(config_path, "w", encoding="utf-8") as handle:
+        json.dump(config, handle, indent=2)
+    return path

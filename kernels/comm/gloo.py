@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 import socket
 
 import torch
@@ -69,15 +70,19 @@ class GlooCommunicator(PointToPointCommunicator):
         validate_group(rank, world_size)
         timeout_s = validate_timeout(timeout_s)
         timeout = datetime.timedelta(seconds=timeout_s)
-        listener = None
+        listen_fd = None
         try:
             is_server = rank == 0
             if is_server:
-                listener = _listen(host, port)
+                # The store closes the fd it is given when it is destroyed, so Python must not
+                # own it too: a second close, later, could close a newer group's socket that
+                # reused the number (a gloo abort on a bad fd).
+                listen_fd = _listen(host, port).detach()
             store = distributed.TCPStore(
                 host, port, world_size, is_server, timeout=timeout, wait_for_workers=False,
-                **({"master_listen_fd": listener.fileno()} if listener is not None else {}),
+                **({"master_listen_fd": listen_fd} if listen_fd is not None else {}),
             )
+            listen_fd = None  # the store's now
             options = distributed.ProcessGroupGloo._Options()
             options._timeout = timeout
             options._devices = [_gloo_device(bind_host or host)]
@@ -85,8 +90,8 @@ class GlooCommunicator(PointToPointCommunicator):
                 distributed.PrefixStore(group_name, store), rank, world_size, options
             )
         except (RuntimeError, OSError) as error:
-            if listener is not None:
-                listener.close()
+            if listen_fd is not None:
+                os.close(listen_fd)
             raise CommError(
                 f"rank {rank} could not join gloo group {group_name!r} of {world_size} ranks "
                 f"at {host}:{port} within {timeout_s:.1f} s: {_first_line(error)}"
@@ -99,7 +104,6 @@ class GlooCommunicator(PointToPointCommunicator):
             store=store,
             process_group=process_group,
         )
-        communicator._listener = listener  # the store serves from this socket: keep it open
         return communicator
 
     def _check_device(self, tensor: torch.Tensor, tag: str) -> None:

@@ -63,14 +63,18 @@ def test_skewed_load_is_rebalanced_and_balanced_load_is_left_alone(ray_session, 
         # Balanced load causes no migration: more of the same traffic, and the controller must
         # be seen deciding on it, not merely idle. Every decision before the rebalance saw the
         # skewed window, so a "balanced:" decision is one taken after it.
-        rebalances = after["rebalances"]
+        rebalances, decisions = after["rebalances"], after["counters"]
+        assert decisions["rebalance_decisions_taken"] >= 1, decisions
         for round_ in range(3):
             deployment.generate(prompts(8, seed=50 + round_), PARAMS)
-        decided = wait_for(lambda: (s := deployment.status())["last_decision"]["rebalance"] is False and s,
-                           30, "a decision on the balanced window")
+        decided = wait_for(lambda: (s := deployment.status())["counters"]["rebalance_decisions_skipped"]
+                           > decisions["rebalance_decisions_skipped"] and s, 30, "a decision on the balanced window")
+        assert decided["last_decision"]["rebalance"] is False, decided["last_decision"]
         assert decided["last_decision"]["reason"].startswith("balanced:"), decided["last_decision"]
         assert decided["last_decision"]["balancedness"] >= BALANCER["threshold"]
         assert decided["rebalances"] == rebalances and decided["epoch"] == after["epoch"]
+        # the counter proves decisions were taken on the balanced window, and none migrated
+        assert decided["counters"]["rebalance_decisions_taken"] == decisions["rebalance_decisions_taken"]
         report = deployment.rebalance()  # an explicit request re-plans but finds nothing to gain
         assert report["rebalanced"] is False or report["copies"] == 0, report
     finally:

@@ -102,12 +102,17 @@ def test_a_worker_lost_mid_flight_loses_no_request(ray_session, tiny_mixtral_dir
 
 
 def wait_for_reinclude(deployment, timeout_s: float = 120) -> dict:
+    """The controller's counters, not only its log, say the lost worker was re-included, at
+    the first attempt (tests/actors/test_recovery_retries.py covers failed attempts)."""
     deadline = time.monotonic() + timeout_s
     while True:
         status = deployment.status()
-        if any(r.get("mode") == "reinclude" for r in status["recoveries"]):
+        if status["counters"]["reincludes"] >= 1:
+            assert any(r.get("mode") == "reinclude" for r in status["recoveries"]), status["recoveries"]
+            assert status["degraded"] is None
+            assert (status["counters"]["reinclude_attempts"], status["counters"]["reinclude_failures"]) == (1, 0)
             return status
-        assert time.monotonic() < deadline, status["recoveries"]
+        assert time.monotonic() < deadline, (status["counters"], status["degraded"], status["recoveries"])
         time.sleep(0.5)
 
 

@@ -58,7 +58,8 @@ def test_minimum_loads_exactly_as_written(tmp_path):
     assert config.comm.backend is CommBackend.AUTO and config.comm.timeout_s == 30.0
     assert config.capacity.factor == 1.0 and config.capacity.overflow is OverflowPolicy.NONE
     engine = config.engine
-    assert (engine.max_num_seqs, engine.max_num_batched_tokens, engine.block_size) == (256, 4096, 16)
+    assert (engine.max_num_seqs, engine.max_num_batched_tokens, engine.block_size) == (256, None, 16)
+    assert engine.enable_prefix_caching is True
     assert engine.max_model_len is None and engine.kv_cache_bytes == 512 * 2**20
 
 

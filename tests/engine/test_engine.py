@@ -34,9 +34,10 @@ def test_batched_outputs_equal_one_at_a_time(engine):
 def test_kv_exhaustion_preempts_and_recomputes_without_changing_outputs(tiny_mixtral_dir, engine):
     batch = prompts(8, seed=1)
     expected = [o.output_token_ids for o in engine.generate(batch, GREEDY)]
-    # Room for about two sequences at a time: the scheduler must preempt and recompute.
+    # Room for about two sequences at a time (16 blocks of 4 tokens): the scheduler must preempt and recompute.
+    per_token = engine.cache.bytes_per_token(engine.config, torch.float32)
     small = LLMEngine.from_pretrained(
-        tiny_mixtral_dir, EngineConfig(dtype="float32", block_size=4, kv_cache_bytes=1, max_model_len=64)
+        tiny_mixtral_dir, EngineConfig(dtype="float32", block_size=4, kv_cache_bytes=16 * 4 * per_token, max_model_len=64)
     )
     small_blocks = small.blocks.num_blocks
     assert small_blocks == 16

@@ -39,10 +39,10 @@ def expected(tiny_mixtral_dir):
 
 
 def test_a_sampling_failure_fails_only_its_sequence(tiny_mixtral_dir, expected, monkeypatch):
-    def poisoned_sample(logits, sequences):  # fails whenever the poisoned request is in the batch
+    def poisoned_sample(logits, sequences, *rest):  # fails whenever the poisoned request is in the batch
         if any(s.params.seed == 666 for s in sequences):
             raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
-        return sample(logits, sequences)
+        return sample(logits, sequences, *rest)
 
     monkeypatch.setattr(engine_module, "sample", poisoned_sample)
     engine = LLMEngine.from_pretrained(tiny_mixtral_dir, EngineConfig(dtype="float32"))
@@ -74,11 +74,11 @@ def test_a_stop_check_failure_fails_only_its_sequence(tiny_mixtral_dir, expected
 def test_extreme_sampling_values_are_safe_math(params):
     """What the HTTP layer lets through still samples: tiny temperature and top_p reduce to
     the argmax, a top_k past the vocabulary means no filter."""
-    from types import SimpleNamespace
+    from raymoe.engine.sequence import Sequence
 
     logits = torch.tensor([[0.5, 3.0, -1.0, 2.9]])
     generator = torch.Generator().manual_seed(0)
-    sequence = SimpleNamespace(params=params, generator=generator)
+    sequence = Sequence("extreme", [1], params, generator, 0)
     tokens, logprobs, _ = sample(logits, [sequence])
     if params.top_k > 4:
         assert 0 <= tokens[0] < 4

@@ -58,7 +58,7 @@ def test_bfloat16_checkpoint_tracks_transformers_in_prefill_and_decode(arch, tmp
     model = build_reference_model(arch)
     path = write_checkpoint(model, str(tmp_path), dtype=torch.bfloat16)
     engine = LLMEngine.from_pretrained(path, EngineConfig(dtype="auto", block_size=8))
-    assert engine.cache.k.dtype == torch.bfloat16
+    assert engine.cache.dtype == torch.bfloat16
     hf = model.to(torch.bfloat16)
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, VOCAB, (n,), generator=generator).tolist() for n in (3, 21, 40)]

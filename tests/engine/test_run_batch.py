@@ -24,6 +24,19 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def openai_token(tokenizer: Tokenizer, token: int) -> str:
+    """A byte-level token as OpenAI names it, from transformers' byte alphabet (the reference):
+    its text, or ``bytes:\\xNN...`` when it is only part of a character."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = {char: byte for byte, char in bytes_to_unicode().items()}
+    data = bytes(alphabet[c] for c in tokenizer.id_to_token(token))
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
 @pytest.fixture(scope="module")
 def batch_result(tiny_mixtral_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("batch")
@@ -96,11 +109,11 @@ def test_logprobs_are_the_log_softmax_of_transformers_logits(batch_result, tiny_
     tokenizer = Tokenizer(tiny_mixtral_dir)
     logprobs = choice["logprobs"]
     assert len(logprobs["token_logprobs"]) == len(output) == 5
-    assert logprobs["tokens"] == [tokenizer.id_to_token(t) for t in output]
+    assert logprobs["tokens"] == [openai_token(tokenizer, t) for t in output]
     for position, (token, chosen, top) in enumerate(zip(output, logprobs["token_logprobs"], logprobs["top_logprobs"])):
         assert chosen == pytest.approx(reference[position, token].item(), abs=1e-4)
         values, ids = torch.topk(reference[position], 2)
-        assert list(top) == [tokenizer.id_to_token(i) for i in ids.tolist()]  # best first
+        assert list(top) == [openai_token(tokenizer, i) for i in ids.tolist()]  # the chosen (best) first
         assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-4)
         assert token == ids[0].item()  # greedy
 

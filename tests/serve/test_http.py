@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.tokenizer import Tokenizer
+from openai_tokens import openai_token, token_bytes
 from server_process import served
 
 MAX_TOKENS = 8
@@ -128,10 +129,11 @@ def test_chat_logprobs_are_the_log_softmax_of_the_model(client, tiny_mixtral_dir
     entries = choice.logprobs.content
     assert len(entries) == len(output) == 5
     for position, (entry, token) in enumerate(zip(entries, output)):
-        assert entry.token == tokenizer.id_to_token(token)
+        assert entry.token == openai_token(tokenizer, token)
+        assert bytes(entry.bytes) == token_bytes(tokenizer, token)
         assert entry.logprob == pytest.approx(logprobs[position, token].item(), abs=1e-4)
         values, ids = torch.topk(logprobs[position], 3)
-        assert [t.token for t in entry.top_logprobs] == [tokenizer.id_to_token(i) for i in ids.tolist()]
+        assert [t.token for t in entry.top_logprobs] == [openai_token(tokenizer, i) for i in ids.tolist()]
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
         assert token == ids[0].item()  # greedy
     plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
@@ -188,7 +190,7 @@ BAD_REQUESTS = [
     ("max_tokens beyond context", "/v1/completions", {"prompt": [5, 6], "max_tokens": 100000}, 400),
     ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404),
     ("chat without messages", "/v1/chat/completions", {"model": "tiny"}, 400),
-    ("n > 1", "/v1/completions", {"prompt": "hi", "n": 2}, 400),
+    ("n zero", "/v1/completions", {"prompt": "hi", "n": 0}, 400),
     ("body too large", "/v1/completions", {"prompt": "x" * (2 << 20)}, 413),
     ("unknown route", "/v1/embeddings", {"input": "hi"}, 404),
 ]

@@ -1,0 +1,162 @@
+"""Recovery that fails, made deterministic: a re-include that fails is retried (and rolled
+back onto the replicas meanwhile), and a step that fails the same way after every rebuild
+fails its requests instead of being retried for ever. Faults are injected on purpose
+(``Controller.inject_fault``, or a worker put in a broken state through its own actor
+methods), never left to timing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from ep_helpers import GREEDY, cluster_config, prompts, reference_engine
+from raymoe.cluster.deploy import RequestFailed, deploy
+from raymoe.moe.placement import PlacementTable
+
+TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(address="local", num_cpus=4, include_dashboard=False)  # a Ray of our own, never a neighbour's
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_mixtral_dir):
+    batch = prompts(40, seed=41)
+    return batch, [o.output_token_ids for o in reference_engine(tiny_mixtral_dir).generate(batch, GREEDY)]
+
+
+def counters(deployment) -> dict:
+    return deployment.status()["counters"]
+
+
+def wait_until(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_a_failed_reinclude_is_retried_while_the_replicas_serve_every_request(ray_session, tiny_mixtral_dir,
+                                                                               expected):
+    batch, want = expected
+    config = cluster_config(tiny_mixtral_dir, expert_workers=2, routers=2,
+                            placement={"strategy": "round_robin", "redundant_slots_per_worker": 4},
+                            comm={"backend": "gloo", "timeout_s": TIMEOUT_S}, balancer={"enabled": False})
+    deployment = deploy(config, name="retry-reinclude")
+    pid = ray.get(deployment.workers[1].info.remote())["pid"]
+    served: list[tuple[list, list]] = []  # (outputs, expected) of every batch run during the recovery
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def keep_serving() -> None:  # requests all through the recovery, the failed attempts and the rollback
+        round_ = 0
+        while not stop.is_set() and round_ < 200:
+            share = slice((4 * round_) % len(batch), (4 * round_) % len(batch) + 4)
+            try:
+                served.append(([o.output_token_ids for o in deployment.generate(batch[share], GREEDY)], want[share]))
+            except Exception as error:  # every request must complete: recorded, asserted below
+                errors.append(error)
+            round_ += 1
+
+    runner = threading.Thread(target=keep_serving)
+    try:
+        # The first re-include attempt fails loading the restarted worker, the second joining
+        # the groups (after the routers stopped: they must be rolled back); the third succeeds.
+        ray.get(deployment.controller.inject_fault.remote("reinclude_load", 1))
+        ray.get(deployment.controller.inject_fault.remote("reinclude_join", 1))
+        runner.start()
+        wait_until(lambda: served, 60, "the first batch")
+        os.kill(pid, signal.SIGSTOP)  # frozen: the step's deadline passes, recovery kills it
+        status = wait_until(lambda: (s := deployment.status())["counters"]["reincludes"] >= 1 and s, 180,
+                            "the re-include")
+        stop.set()
+        runner.join(timeout=120)
+        assert not runner.is_alive(), "requests hung during the re-include retries"
+        assert not errors, errors[:1]
+        assert served and all(got == reference for got, reference in served)
+        c = status["counters"]
+        assert c["recoveries_on_replicas"] == 1, (c, status["recoveries"])
+        assert (c["reinclude_attempts"], c["reinclude_failures"], c["reincludes"]) == (3, 2, 1), c
+        assert c["reinclude_rollbacks"] == 1, c  # the failed join put the routers back on the replicas
+        assert status["degraded"] is None
+        assert "InjectedFault" in status["last_rebalance"]["error"]  # the last failure stays visible
+        modes = [r["mode"] for r in status["recoveries"]]
+        assert modes[0] == "replicas" and modes[-1] == "reinclude", modes
+        # The worker is back: full placement, it serves its experts, outputs are unchanged.
+        assert status["placement"] == deployment.placement.phy2log.tolist()
+        info = ray.get(deployment.workers[1].info.remote())
+        assert info["pid"] != pid and info["serving"]
+        before = info["steps_served"]
+        outputs = deployment.generate(batch, GREEDY)
+        assert [o.output_token_ids for o in outputs] == want
+        assert ray.get(deployment.workers[1].info.remote())["steps_served"] > before
+    finally:
+        stop.set()
+        runner.join(timeout=120) if runner.is_alive() else None
+        try:
+            os.kill(pid, signal.SIGCONT)  # if it was never killed by the recovery
+        except ProcessLookupError:
+            pass
+        deployment.shutdown()
+
+
+def test_a_fault_point_must_exist(ray_session, tiny_mixtral_dir):
+    deployment = deploy(cluster_config(tiny_mixtral_dir, expert_workers=1, balancer={"enabled": False}),
+                        name="retry-fault-name")
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError, match="unknown fault point 'reinclude'.*reinclude_load"):
+            ray.get(deployment.controller.inject_fault.remote("reinclude"))
+    finally:
+        deployment.shutdown()
+
+
+def test_a_deterministic_compute_error_fails_its_requests_after_bounded_retries(ray_session, tiny_mixtral_dir,
+                                                                                 expected):
+    from raymoe.actors.controller import MAX_IDENTICAL_STEP_FAILURES
+
+    batch, want = expected
+    config = cluster_config(tiny_mixtral_dir, expert_workers=2, routers=1,
+                            comm={"backend": "gloo", "timeout_s": TIMEOUT_S}, balancer={"enabled": False})
+    deployment = deploy(config, name="retry-deterministic")
+    try:
+        placement = deployment.placement
+        # Worker 1 serves only epoch 99 from now on, while the routers dispatch with epoch 0:
+        # every step it serves raises the same RuntimeError, and a rebuilt group changes nothing.
+        later = PlacementTable.from_phy2log(placement.phy2log, placement.slots_per_worker, placement.num_experts,
+                                            placement.worker2node, 99)
+        worker = deployment.workers[1]
+        ray.get(worker.activate.remote(99, placement.epoch, later.to_dict()))
+        ray.get(worker.retire.remote(99))
+        started = time.monotonic()
+        with pytest.raises(RequestFailed) as failed:
+            deployment.generate(batch[:4], GREEDY)
+        elapsed = time.monotonic() - started
+        message = str(failed.value)
+        assert "4 of 4 requests failed" in message
+        assert f"failed {MAX_IDENTICAL_STEP_FAILURES} times in a row" in message
+        assert "worker 1: RuntimeError" in message and "epoch 0" in message, message
+        status = deployment.status()
+        c = status["counters"]
+        assert c["repeated_step_failures"] == 1 and c["recoveries"] == MAX_IDENTICAL_STEP_FAILURES, c
+        assert elapsed < 120, elapsed  # bounded: not the router's 600 s recovery deadline
+        # The groups were rebuilt all the same: once the worker serves the placement again,
+        # the deployment serves, with unchanged outputs.
+        ray.get(worker.load_placement.remote(placement.to_dict()))
+        outputs = deployment.generate(batch[:8], GREEDY)
+        assert [o.output_token_ids for o in outputs] == want[:8]
+        assert np.array_equal(np.asarray(status["placement"]), placement.phy2log)
+    finally:
+        deployment.shutdown()
