@@ -38,7 +38,9 @@ LOG = logging.getLogger("raymoe.worker")
 
 class ExpertWorker:
     def __init__(self, worker: int, model_dir: str, dtype: str, device: str, placement: dict[str, Any],
-                 spare_rows: int = 0):
+                 spare_rows: int = 0, threads: int | None = None):
+        if threads:  # CPU workers: intra-op threads of the expert GEMMs (cluster config `cpu`)
+            torch.set_num_threads(threads)
         self.worker = worker
         self.model_dir = model_dir
         self.spare_rows = spare_rows
@@ -93,6 +95,8 @@ class ExpertWorker:
             "worker": self.worker,
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
+            "compute_threads": torch.get_num_threads(),
+            "niceness": os.nice(0),
             "epochs": sorted(self.slot_rows),
             "experts": self.experts[latest],
             "generation": self.generation,

@@ -97,7 +97,10 @@ class Router:
         timeout_s: float,
         router_index: int = 0,
         num_routers: int = 1,
+        threads: int | None = None,
     ):
+        if threads:  # CPU routers: intra-op threads of the dense part (cluster config `cpu`)
+            torch.set_num_threads(threads)
         self.router_id = router_id
         self.router_index = router_index
         self.num_routers = num_routers
@@ -447,7 +450,8 @@ class Router:
 
     def info(self) -> dict[str, Any]:
         return {"router": self.router_id, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "threads": threading.active_count(),
+                "threads": threading.active_count(), "compute_threads": torch.get_num_threads(),
+                "niceness": os.nice(0),
                 "recoveries": self.recoveries, "comm_generation": self.comm_generation,
                 "last_failure": self.last_failure}
 

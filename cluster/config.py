@@ -160,6 +160,17 @@ class ServeSection(_Section):
     autoscaling: dict[str, Any] | None = None  # Serve's autoscaling_config, passed through (replaces replicas)
 
 
+class CpuSection(_Section):
+    """Compute threads per actor on CPU-only deployments (GPU deployments ignore it).
+
+    A router and the workers it waits on compute one after the other at every MoE layer, so a
+    worker may use the cores its node's routers leave idle meanwhile. ``worker_threads: 0``
+    (auto) gives each worker its node's CPUs divided among the workers on that node."""
+
+    router_threads: Positive = 1
+    worker_threads: NonNegative = 0  # 0 = auto
+
+
 class ClusterConfig(_Section):
     model: str  # checkpoint directory; absolute after loading
     device: Device = Device.AUTO
@@ -172,6 +183,7 @@ class ClusterConfig(_Section):
     balancer: BalancerSection = BalancerSection()
     engine: EngineSection = EngineSection()
     serve: ServeSection = ServeSection()
+    cpu: CpuSection = CpuSection()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain builtins (enums as their values); ``parse_cluster_config`` reads it back.

@@ -16,6 +16,7 @@ import itertools
 import os
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,12 +226,14 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     balancer = config.balancer
     spare_rows = min(placement.slots_per_worker, balancer.max_copies_per_rebalance) if balancer.enabled else 0
     worker_class = ray.remote(ExpertWorker)
+    threads = worker_threads(config, worker_nodes) if not gpus else [None] * config.expert_workers
     workers = [
         worker_class.options(
             num_cpus=0 if gpus else CPU_SLIVER, num_gpus=1 if gpus else 0, max_concurrency=concurrency,
             max_restarts=-1,  # a crashed worker is restarted; the controller reloads its experts
             name=f"{name}-worker-{w}", namespace=namespace, scheduling_strategy=PlacementGroupSchedulingStrategy(group, w // per_node),
-        ).remote(w, config.model, config.dtype.value, "cuda" if gpus else "cpu", placement.to_dict(), spare_rows)
+        ).remote(w, config.model, config.dtype.value, "cuda" if gpus else "cpu", placement.to_dict(), spare_rows,
+                 threads[w])
         for w in range(config.expert_workers)
     ]
     router_class = ray.remote(Router)
@@ -242,7 +245,8 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
             max_concurrency=ROUTER_CONCURRENCY, max_restarts=-1,
             name=f"{name}-router-{r}", namespace=namespace,
         ).remote(f"router-{r}", config.model, engine_config(config), placement.to_dict(), workers,
-                 backend.value, config.comm.timeout_s, r, config.routers)
+                 backend.value, config.comm.timeout_s, r, config.routers,
+                 None if gpus else config.cpu.router_threads)
         for r in range(config.routers)
     ]
     # Step 5: every worker has loaded its experts (that can take long: no group deadline
@@ -265,6 +269,16 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     return Deployment(config, model_config, placement, routers, workers, controller, group, worker_nodes)
 
 
+def worker_threads(config: ClusterConfig, worker_nodes: list[str]) -> list[int]:
+    """Compute threads of each CPU expert worker: ``cpu.worker_threads``, or with 0 (auto) its
+    node's CPUs shared among the workers placed on that node (at least one)."""
+    if config.cpu.worker_threads:
+        return [config.cpu.worker_threads] * len(worker_nodes)
+    node_cpus = {node["NodeID"]: int(node["Resources"].get("CPU", 1)) for node in ray.nodes() if node["Alive"]}
+    sharing = Counter(worker_nodes)
+    return [max(1, node_cpus.get(node, 1) // sharing[node]) for node in worker_nodes]
+
+
 def ensure_ray(address: str | None = None) -> None:
     """Connect to ``address`` (or RAY_ADDRESS) exactly as given, or start a Ray of this
     process's own, listening on loopback.
@@ -281,4 +295,8 @@ def ensure_ray(address: str | None = None) -> None:
         connect(address)
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Ray starts worker processes at niceness 15 (background work); raymoe's actors are the
+    # serving path, so its own Ray runs them at the default priority (an explicit
+    # RAY_worker_niceness wins). `ray start` clusters: see cluster/ray-up/*.yaml.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(address="local", include_dashboard=False)

@@ -62,7 +62,7 @@ class RemoteExperts:
         self._real = False
         self._step_started = time.perf_counter()
         self._moe_seconds = 0.0
-        self.telemetry.begin_step()  # forget a step that failed part-way (it is being retried)
+        self.telemetry.begin_step(self._step_started)  # forget a step that failed part-way (it is being retried)
 
     def complete_step(self) -> None:
         """Exchange zero rows for the layers this step did not reach; record the step."""

@@ -31,6 +31,8 @@ class StepRecord:
     combine_s: float = 0.0  # moving rows and sums (the exchange minus the expert compute)
     tokens: int = 0
     rows_sent: int = 0
+    started: float = 0.0  # time.perf_counter() at the step's start (intervals between steps show
+    # what the step loop spends outside the step: inbox, delivery, waiting for work)
 
 
 @dataclass
@@ -82,8 +84,8 @@ class Telemetry:
         self._current.tokens = num_tokens
         self._current.rows_sent += int(rows.sum())
 
-    def begin_step(self) -> None:
-        self._current = StepRecord()
+    def begin_step(self, started: float = 0.0) -> None:
+        self._current = StepRecord(started=started)
         self._layer_counts: list = []
 
     def end_step(self, dense_s: float, expert_s: float, epoch: int) -> None:

@@ -60,6 +60,12 @@ def test_outputs_equal_the_in_process_engine(case, ray_session, reference, tiny_
         telemetry = deployment.telemetry()
         rows = torch.tensor([t["worker_rows"] for t in telemetry]).sum(0)
         assert (rows > 0).all()
+        # cpu.worker_threads auto: the node's 4 CPUs shared among its workers (so 2-thread
+        # workers took part in the parity above); routers keep cpu.router_threads (1).
+        workers = CASES[case].get("expert_workers", 1)
+        infos = ray.get([w.info.remote() for w in deployment.workers])
+        assert [i["compute_threads"] for i in infos] == [max(1, 4 // workers)] * workers
+        assert {ray.get(r.info.remote())["compute_threads"] for r in deployment.routers} == {1}
         # Replicas share their expert's tokens: every replica slot of a replicated expert served.
         slot_tokens = torch.tensor([t["slot_tokens"] for t in telemetry]).sum(0)  # [L, P]
         placement = deployment.placement

@@ -88,6 +88,7 @@ import ray
 from raymoe.cluster.deploy import ensure_ray
 ensure_ray({address!r})
 print("GCS", ray.get_runtime_context().gcs_address)
+print("NICE", ray.get(ray.remote(lambda: __import__("os").nice(0)).remote()))
 """
 
 
@@ -99,6 +100,8 @@ def test_no_address_starts_a_ray_of_its_own_and_an_explicit_one_is_used_as_given
     own = run([sys.executable, "-c", PROBE.format(address=None)], cluster["env"], timeout=300)
     assert own.returncode == 0, own.stderr[-3000:]
     gcs = own.stdout.split("GCS ")[1].strip()
+    gcs = gcs.split()[0]
     assert gcs.startswith("127.0.0.1:") and gcs != cluster["address"]
+    assert "NICE 0" in own.stdout  # its actors serve at normal priority, not Ray's niceness 15
     given = run([sys.executable, "-c", PROBE.format(address=cluster["address"])], cluster["env"])
     assert given.returncode == 0 and f"GCS {cluster['address']}" in given.stdout, given.stderr[-3000:]

@@ -69,7 +69,9 @@ def test_every_start_command_uses_the_venv_and_stops_only_its_own_cluster(path):
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         first, start = config[key]
         assert first == stop  # a restart stops this cluster's previous Ray, not every Ray on the host
-        assert start.startswith(f"RAYMOE_RAY_UP_CLUSTER={name} RAY_AUTH_MODE=token {VENV}ray start ")
+        # Serving actors at normal priority (Ray would start its workers at niceness 15).
+        assert start.startswith(f"RAYMOE_RAY_UP_CLUSTER={name} RAY_AUTH_MODE=token RAY_worker_niceness=0 "
+                                f"{VENV}ray start ")
     for command in commands(config):
         words = command.replace(";", " ; ").split()
         assert not any(w == "ray" for w in words), command  # no `ray` from the login shell's PATH
