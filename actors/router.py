@@ -367,6 +367,10 @@ class Router:
         batched = target is not None
         target = queue.Queue() if target is None else target
         self.engine.validate_prompt(prompt_ids, params)  # a bad request is refused to its caller
+        if params.structured is not None and self.engine.grammar is not None:
+            # Compile its grammar here, on the caller's thread (cached): compiling against a large
+            # vocabulary takes long enough to stall every sequence if the step thread did it.
+            self.engine.grammar.compile(params.structured)
         with self._wake:
             self._queues[request_id] = (target, batched)
             self._incoming.append((request_id, prompt_ids, params))

@@ -105,7 +105,8 @@ def test_a_failed_reinclude_is_retried_while_the_replicas_serve_every_request(ra
         assert ray.get(deployment.workers[1].info.remote())["steps_served"] > before
     finally:
         stop.set()
-        runner.join(timeout=120) if runner.is_alive() else None
+        if runner.is_alive():
+            runner.join(timeout=120)
         try:
             os.kill(pid, signal.SIGCONT)  # if it was never killed by the recovery
         except ProcessLookupError:
