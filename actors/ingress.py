@@ -100,7 +100,7 @@ class OpenAIIngress:
         max_len = min(engine_config(self.config).max_model_len or model.max_position_embeddings,
                       model.max_position_embeddings)
         self.limits = ModelLimits(name, model.vocab_size, max_len)
-        self.metrics = ServingMetrics(self.deployment.placement.slots_per_worker)
+        self.metrics = ServingMetrics(self.deployment.placement.slots_per_worker, name)
         self.in_flight = [0] * len(self.deployment.routers)
         # A router batches max_num_seqs requests and queues at most max_queued_per_router more;
         # each replica admits its share of that (it sees only its own requests in flight).
@@ -239,7 +239,7 @@ class OpenAIIngress:
             self.metrics.e2e.observe(time.perf_counter() - arrived)
 
     def _count(self, label: str, status: int) -> None:
-        self.metrics.requests.labels(label, str(status)).inc()
+        self.metrics.count_request(label, status)
 
     def _failure_response(self, failure: StepFailure) -> JSONResponse:
         """The client hears what it may (never internal exception text); the log has the rest."""
@@ -398,7 +398,7 @@ class OpenAIIngress:
         finished = False
         try:
             while True:
-                tokens, logprobs, tops, last = [], [], [], None
+                tokens, logprobs, tops, last, first = [], [], [], None, 0.0
                 deltas: asyncio.Queue = asyncio.Queue()
                 self._waiting[request_id] = (router, deltas)
                 try:
@@ -416,11 +416,13 @@ class OpenAIIngress:
                             raise item
                         if isinstance(item, StepFailure):
                             finished = True
+                            self.metrics.count_finished("error")
                             yield item
                             return
                         now = time.perf_counter()
                         if last is None:
                             self.metrics.ttft.observe(now - arrived)
+                            first = now
                         else:
                             for _ in item.token_ids:
                                 self.metrics.itl.observe((now - last) / len(item.token_ids))
@@ -430,6 +432,10 @@ class OpenAIIngress:
                         tops += item.top_logprobs
                         self.metrics.output_tokens.inc(len(item.token_ids))
                         finished = item.finished
+                        if finished:  # counted before the yield: the caller may stop at the last output
+                            self.metrics.count_finished(item.finish_reason or "abort")
+                            if len(tokens) > 1:
+                                self.metrics.tpot.observe((now - first) / (len(tokens) - 1))
                         yield RequestOutput(request_id, item.token_ids, item.logprobs, item.finished,
                                             item.finish_reason, item.num_prompt_tokens, tokens, logprobs, tops,
                                             item.stop_text_index)
@@ -439,6 +445,7 @@ class OpenAIIngress:
                     failed.add(router)
                     if (stream and tokens) or len(failed) > len(self.in_flight):
                         finished = True
+                        self.metrics.count_finished("error")
                         yield StepFailure(request_id, f"the router serving this request was lost after "
                                                       f"{len(tokens)} streamed tokens: {error}",
                                           public=f"the router serving it was lost after {len(tokens)} streamed "
@@ -449,6 +456,7 @@ class OpenAIIngress:
         finally:
             if not finished:  # the client went away (or the caller stopped): free its slot and KV blocks
                 self.deployment.routers[router].abort.remote(request_id)
+                self.metrics.count_finished("abort")
             self._waiting.pop(request_id, None)
             self.in_flight[router] -= 1
 
@@ -510,11 +518,13 @@ class OpenAIIngress:
             LOG.exception("request %s: streaming failed", request_id)
             raise
         finally:
+            # Counted before any await: when the client went away this task is being cancelled,
+            # and Starlette's cancel scope cancels every await in here again.
+            self._count(label, status)
+            self.metrics.e2e.observe(time.perf_counter() - arrived)
             for pump in pumps:  # a sequence still running (the client went away) is aborted
                 pump.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
-            self._count(label, status)
-            self.metrics.e2e.observe(time.perf_counter() - arrived)
 
     async def _pump(self, index: int, prompt_ids: list[int], params: SamplingParams, request_id: str,
                     arrived: float, merged: asyncio.Queue) -> None:

@@ -1,58 +1,167 @@
 """Prometheus metrics of the HTTP endpoint, plus what the routers' telemetry says.
 
-Request-level series are observed by the ingress as requests run; expert-level series
-(routed tokens per worker, drops, balancedness) are read from the routers at scrape time.
+Names follow vLLM's under a ``raymoe:`` prefix where vLLM has the same series
+(``raymoe:num_requests_running`` is ``vllm:num_requests_running``), so existing dashboards
+and autoscalers work after a prefix swap; raymoe's own expert-parallel series sit beside them
+under the same prefix. Every series carries ``model_name`` (the served model name).
+
+Two sources:
+
+- request-level series (latencies, tokens, finished requests, HTTP statuses) are observed by
+  this ingress replica as its requests run;
+- engine- and expert-level series are read from the routers and the controller at scrape
+  time. They are cumulative there (since the router or controller started), so a custom
+  collector exposes them as counters, gauges or histograms of those latest values: every
+  ingress replica shows the same numbers, and Prometheus sees a reset if a router restarts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+from raymoe.engine.latency_histogram import LATENCY_BUCKETS
 from raymoe.moe.balance_metrics import balancedness
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+PREFIX = "raymoe:"
 
 
 class ServingMetrics:
-    def __init__(self, slots_per_worker: int):
-        self.slots_per_worker = slots_per_worker
+    def __init__(self, slots_per_worker: int, model_name: str):
+        self.model_name = model_name
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("raymoe_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
-        self.ttft = Histogram("raymoe_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("raymoe_inter_token_latency_seconds", "Time between output tokens", buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("raymoe_e2e_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("raymoe_prompt_tokens", "Prompt tokens processed", registry=r)
-        self.output_tokens = Counter("raymoe_generation_tokens", "Output tokens generated", registry=r)
-        self.routed = Gauge("raymoe_worker_routed_tokens", "Expert assignments routed to each worker (all layers, since start)", ["worker"], registry=r)
-        self.dropped = Gauge("raymoe_dropped_tokens", "Expert assignments dropped by the capacity policy (since start)", registry=r)
-        self.balance = Gauge("raymoe_balancedness", "Mean over MoE layers of mean/max worker load (1 = perfect)", registry=r)
-        self.window_balance = Gauge("raymoe_window_balancedness", "Controller's window balancedness by statistic over layers", ["stat"], registry=r)
-        self.rebalances = Gauge("raymoe_rebalances", "Rebalances carried out since start", registry=r)
-        self.migration_seconds = Gauge("raymoe_migration_seconds", "Seconds spent migrating experts since start", registry=r)
-        self.running = Gauge("raymoe_num_requests_running", "Sequences in the routers' running batches", registry=r)
-        self.waiting = Gauge("raymoe_num_requests_waiting", "Sequences waiting for a place in a batch", registry=r)
-        self.sampled = Gauge("raymoe_router_generated_tokens", "Tokens the routers sampled since start, aborted requests' included", registry=r)
-        self.bytes_moved = Gauge("raymoe_migration_bytes", "Expert weight bytes copied by rebalances since start", registry=r)
+        r, model = self.registry, ["model_name"]
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(PREFIX + name, doc, model, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+
+        self.requests = Counter(PREFIX + "http_requests", "HTTP requests by endpoint and status (499: the client "
+                                "went away)", model + ["endpoint", "status"], registry=r)
+        self.success = Counter(PREFIX + "request_success", "Finished sequences by finish reason (stop, length, "
+                               "abort, error)", model + ["finished_reason"], registry=r)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens")
+        self.tpot = histogram("time_per_output_token_seconds", "Per finished sequence: mean time per output token "
+                              "after the first")
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests", model,
+                                     registry=r).labels(model_name)
+        self.output_tokens = Counter(PREFIX + "generation_tokens", "Output tokens sent to clients", model,
+                                     registry=r).labels(model_name)
+        self.engine = EngineCollector(model_name, slots_per_worker)
+        r.register(self.engine)
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(self.model_name, endpoint, str(status)).inc()
+
+    def count_finished(self, reason: str) -> None:
+        self.success.labels(self.model_name, reason).inc()
 
     def render(self, telemetry: list[dict[str, Any]], controller: dict[str, Any] | None = None) -> bytes:
-        if telemetry:
-            slot_tokens = np.sum([np.asarray(t["slot_tokens"], dtype=np.float64) for t in telemetry], axis=0)  # [L, P]
-            worker_load = slot_tokens.reshape(slot_tokens.shape[0], -1, self.slots_per_worker).sum(axis=2)  # [L, W]
-            for worker, tokens in enumerate(worker_load.sum(axis=0)):
-                self.routed.labels(worker=str(worker)).set(tokens)
-            self.dropped.set(sum(t["dropped"] for t in telemetry))
-            self.running.set(sum(t.get("requests_running", 0) for t in telemetry))
-            self.waiting.set(sum(t.get("requests_waiting", 0) for t in telemetry))
-            self.sampled.set(sum(t.get("generated_tokens", 0) for t in telemetry))
-            self.balance.set(balancedness(worker_load))
-        if controller is not None:
-            self.window_balance.labels(stat="avg").set(controller["balancedness"])
-            self.window_balance.labels(stat="min").set(controller["balancedness_min"])
-            self.rebalances.set(controller["rebalances"])
-            self.migration_seconds.set(controller["migration_seconds"])
-            self.bytes_moved.set(controller["bytes_moved"])
+        """The exposition text, with the routers' ``telemetry`` and the ``controller``'s status
+        (either missing: its series keep their last values)."""
+        self.engine.update(telemetry, controller)
         return generate_latest(self.registry)
+
+
+class EngineCollector:
+    """The routers' and the controller's cumulative values, as metric families (custom
+    collector: counters stay counters although this process never increments them)."""
+
+    def __init__(self, model_name: str, slots_per_worker: int):
+        self.model_name = model_name
+        self.slots_per_worker = slots_per_worker
+        self.telemetry: list[dict[str, Any]] = []
+        self.controller: dict[str, Any] | None = None
+
+    def update(self, telemetry: list[dict[str, Any]], controller: dict[str, Any] | None) -> None:
+        if telemetry:
+            self.telemetry = telemetry
+        if controller is not None:
+            self.controller = controller
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing to check at registration: the families depend on the telemetry
+
+    def collect(self) -> Iterator[Metric]:
+        if self.telemetry:
+            yield from self._router_families(self.telemetry)
+        if self.controller is not None:
+            yield from self._controller_families(self.controller)
+
+    # ---- families ------------------------------------------------------------------------
+    def _family(self, kind: type, name: str, doc: str, value: float, **labels: str) -> Metric:
+        family = kind(PREFIX + name, doc, labels=["model_name", *labels])
+        family.add_metric([self.model_name, *labels.values()], value)
+        return family
+
+    def _router_families(self, telemetry: list[dict[str, Any]]) -> Iterator[Metric]:
+        def total(key: str) -> float:
+            return float(sum(t.get(key, 0) for t in telemetry))
+
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(gauge, "num_requests_running", "Sequences in the routers' running batches",
+                           total("requests_running"))
+        yield self._family(gauge, "num_requests_waiting", "Sequences waiting for a place in a batch",
+                           total("requests_waiting"))
+        capacity = total("kv_cache_capacity_tokens")
+        used = sum(t.get("kv_cache_usage", 0.0) * t.get("kv_cache_capacity_tokens", 0) for t in telemetry)
+        yield self._family(gauge, "kv_cache_usage_perc", "Fraction of the routers' KV-cache blocks in use (0 to 1; "
+                           "cached free blocks count as free)", used / capacity if capacity else 0.0)
+        yield self._family(gauge, "kv_cache_capacity_tokens", "Tokens the routers' KV caches hold in all", capacity)
+        yield self._family(counter, "num_preemptions", "Sequences preempted for want of KV blocks",
+                           total("num_preemptions"))
+        queries, hits = total("prefix_cache_queries"), total("prefix_cache_hits")
+        yield self._family(counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
+        yield self._family(counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)
+        yield self._family(gauge, "prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since start",
+                           hits / queries if queries else 0.0)
+        yield self._family(counter, "router_generated_tokens", "Tokens the routers sampled, aborted requests' "
+                           "included", total("generated_tokens"))
+        yield self._queue_time(telemetry)
+        # raymoe's own: where the expert assignments went.
+        slot_tokens = np.sum([np.asarray(t["slot_tokens"], dtype=np.float64) for t in telemetry], axis=0)  # [L, P]
+        worker_load = slot_tokens.reshape(slot_tokens.shape[0], -1, self.slots_per_worker).sum(axis=2)  # [L, W]
+        routed = CounterMetricFamily(PREFIX + "worker_routed_tokens", "Expert assignments routed to each worker "
+                                     "(all layers)", labels=["model_name", "worker"])
+        for worker, tokens in enumerate(worker_load.sum(axis=0)):
+            routed.add_metric([self.model_name, str(worker)], float(tokens))
+        yield routed
+        yield self._family(counter, "dropped_tokens", "Expert assignments dropped by the capacity policy",
+                           total("dropped"))
+        yield self._family(gauge, "balancedness", "Mean over MoE layers of mean/max worker load since start "
+                           "(1 = perfect)", float(balancedness(worker_load)))
+
+    def _queue_time(self, telemetry: list[dict[str, Any]]) -> Metric:
+        """The routers' queue-time histograms added up (they share their bounds)."""
+        snapshots = [t["queue_time"] for t in telemetry if "queue_time" in t]
+        bounds = snapshots[0]["bounds"] if snapshots else list(LATENCY_BUCKETS)
+        counts = np.sum([s["counts"] for s in snapshots], axis=0) if snapshots else np.zeros(len(bounds) + 1)
+        cumulative = np.cumsum(counts)
+        buckets = [(floatToGoString(b), float(c)) for b, c in zip(bounds, cumulative)] + [("+Inf", float(cumulative[-1]))]
+        family = HistogramMetricFamily(PREFIX + "request_queue_time_seconds", "Time from a sequence's arrival at a "
+                                       "router to its first admission into a batch", labels=["model_name"])
+        family.add_metric([self.model_name], buckets, sum_value=float(sum(s["sum"] for s in snapshots)))
+        return family
+
+    def _controller_families(self, controller: dict[str, Any]) -> Iterator[Metric]:
+        window = GaugeMetricFamily(PREFIX + "window_balancedness", "Controller's window balancedness by statistic "
+                                   "over layers", labels=["model_name", "stat"])
+        window.add_metric([self.model_name, "avg"], controller["balancedness"])
+        window.add_metric([self.model_name, "min"], controller["balancedness_min"])
+        yield window
+        counter = CounterMetricFamily
+        yield self._family(counter, "rebalances", "Rebalances carried out", controller["rebalances"])
+        yield self._family(counter, "migration_seconds", "Seconds spent migrating experts",
+                           controller["migration_seconds"])
+        yield self._family(counter, "migration_bytes", "Expert weight bytes copied by rebalances",
+                           controller["bytes_moved"])

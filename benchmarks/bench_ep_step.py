@@ -9,12 +9,17 @@ packing rows), expert compute (the slowest worker) and combine (moving rows and 
 waiting for the other routers of the step).
 
     python benchmarks/bench_ep_step.py [--requests 32] [--tokens 32] [--configs 1x1,1x4,2x4]
+        [--worker-threads auto,1]
+
+``--worker-threads`` runs each configuration once per value of ``cpu.worker_threads`` (auto:
+the node's CPUs shared by its workers), so a run shows what the workers' threads buy. The
+"interval" column is the median time from one step's start to the next (what the step loop
+spends outside the step shows as interval minus total).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -23,7 +28,7 @@ import ray
 
 from common import build_mixtral, machine_description, workload
 from raymoe.cluster.config import parse_cluster_config
-from raymoe.cluster.deploy import deploy
+from raymoe.cluster.deploy import deploy, ensure_ray
 from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.sampling_params import SamplingParams
 
@@ -33,6 +38,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--configs", default="1x1,1x4,2x4", help="RxW: routers x expert workers, comma-separated")
+    parser.add_argument("--worker-threads", default="auto", help="cpu.worker_threads values, comma-separated")
     args = parser.parse_args()
     requests = [(prompt, args.tokens) for prompt, _ in workload(args.requests)]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
@@ -46,15 +52,17 @@ def main() -> None:
         local_s = time.perf_counter() - started
         print(f"machine: {machine_description()}")
         print(f"in-process engine: {local_s:.3f} s for {args.requests} requests x {args.tokens} tokens")
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        ray.init(include_dashboard=False, log_to_driver=False)
-        print(f"{'RxW':>5} | {'wall s':>7} {'vs local':>8} | decode step ms (median): {'dense':>6} {'dispatch':>8} "
-              f"{'experts':>8} {'combine':>8} {'total':>6} | same")
-        for label in args.configs.split(","):
+        ensure_ray()  # a Ray of its own on loopback, actors at normal priority, as `raymoe serve` runs
+        print(f"{'RxW':>5} {'threads':>7} | {'wall s':>7} {'vs local':>8} | decode step ms (median): {'dense':>6} "
+              f"{'dispatch':>8} {'experts':>8} {'combine':>8} {'total':>6} {'interval':>8} | same")
+        runs = [(label, threads) for label in args.configs.split(",") for threads in args.worker_threads.split(",")]
+        for label, threads in runs:
             routers, workers = (int(n) for n in label.split("x"))
             config = parse_cluster_config({"model": path, "device": "cpu", "dtype": "float32", "routers": routers,
-                                           "expert_workers": workers, "placement": {"strategy": "round_robin"}})
-            deployment = deploy(config, name=f"bench-{label}")
+                                           "expert_workers": workers, "placement": {"strategy": "round_robin"},
+                                           "cpu": {"worker_threads": 0 if threads == "auto" else int(threads)}})
+            deployment = deploy(config, name=f"bench-{label}-{threads}")
+            used = sorted({info["compute_threads"] for info in ray.get([w.info.remote() for w in deployment.workers])})
             try:
                 deployment.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0))
                 skip = len(deployment.telemetry()[0]["steps"])
@@ -64,10 +72,12 @@ def main() -> None:
                 records = [r for r in deployment.telemetry()[0]["steps"][skip:] if r["tokens"] <= args.requests]
                 split = {k: 1e3 * statistics.median(r[k] for r in records)
                          for k in ("dense_s", "dispatch_s", "expert_s", "combine_s")}
+                starts = [r["started"] for r in records]
+                interval = 1e3 * statistics.median(b - a for a, b in zip(starts, starts[1:]))
                 same = sum(a.output_token_ids == b.output_token_ids for a, b in zip(outputs, reference))
-                print(f"{label:>5} | {wall:7.3f} {wall / local_s:7.2f}x | {'':24}{split['dense_s']:6.2f} "
-                      f"{split['dispatch_s']:8.2f} {split['expert_s']:8.2f} {split['combine_s']:8.2f} "
-                      f"{sum(split.values()):6.2f} | {same}/{len(prompts)}")
+                print(f"{label:>5} {','.join(map(str, used)):>7} | {wall:7.3f} {wall / local_s:7.2f}x | {'':24}"
+                      f"{split['dense_s']:6.2f} {split['dispatch_s']:8.2f} {split['expert_s']:8.2f} "
+                      f"{split['combine_s']:8.2f} {sum(split.values()):6.2f} {interval:8.2f} | {same}/{len(prompts)}")
             finally:
                 deployment.shutdown()
         ray.shutdown()

@@ -19,10 +19,12 @@ want of blocks.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from raymoe.engine.block_manager import BlockManager
+from raymoe.engine.latency_histogram import LatencyHistogram
 from raymoe.engine.sequence import Sequence, SequenceStatus
 
 # Tokens per step when the config leaves it open: small on a CPU, where a step's time grows
@@ -64,7 +66,8 @@ class Scheduler:
         self.token_budget = token_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # since start
+        self.queue_times = LatencyHistogram()  # each sequence's wait from arrival to its first admission
 
     def add(self, sequence: Sequence) -> None:
         self.waiting.append(sequence)
@@ -94,6 +97,9 @@ class Scheduler:
                 break
             sequence = self.waiting.popleft()
             self.running.append(sequence)
+            if sequence.queue_time is None:  # a preempted sequence's readmission is not a new wait
+                sequence.queue_time = time.monotonic() - sequence.arrival_time
+                self.queue_times.observe(sequence.queue_time)
             scheduled[sequence] = count
             budget -= count
         if not scheduled:

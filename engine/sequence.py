@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,8 @@ class Sequence:
     num_preemptions: int = 0
     penalty_state: Any = None  # sampler.PenaltyState: token counts on the device, for penalised requests
     grammar: GrammarState | None = None  # where the output stands in its structured-output grammar
+    arrival_time: float = field(default_factory=time.monotonic)  # when it was added (seconds, monotonic)
+    queue_time: float | None = None  # seconds from arrival to its first admission (None: never admitted yet)
 
     @property
     def num_tokens(self) -> int:

@@ -14,12 +14,12 @@ import urllib.request
 import openai
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.tokenizer import Tokenizer
 from openai_tokens import openai_token, token_bytes
+import prometheus_text as prom
 from server_process import served
 
 MAX_TOKENS = 8
@@ -235,21 +235,64 @@ def test_server_still_answers_after_bad_requests(server, client):
     assert response.choices[0].finish_reason in ("length", "stop")
 
 
-def test_metrics_parse_as_prometheus_text(server, client):
-    client.completions.create(model="tiny", prompt=[4, 5, 6], max_tokens=3, temperature=0)
-    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("raymoe_requests", "raymoe_time_to_first_token_seconds", "raymoe_inter_token_latency_seconds",
-                 "raymoe_e2e_request_latency_seconds", "raymoe_prompt_tokens", "raymoe_generation_tokens",
-                 "raymoe_worker_routed_tokens", "raymoe_dropped_tokens", "raymoe_balancedness"):
-        assert name in families, name
-    ok = [s for s in families["raymoe_requests"].samples if s.labels.get("status") == "200" and s.name.endswith("_total")]
-    assert sum(s.value for s in ok) >= 1
-    routed = [s.value for s in families["raymoe_worker_routed_tokens"].samples]
-    assert len(routed) == 2 and all(v > 0 for v in routed)
-    balance = families["raymoe_balancedness"].samples[0].value
-    assert 0 < balance <= 1
+def test_metrics_use_vllm_names_types_and_move_with_the_requests(server, client):
+    """vLLM's names under raymoe:, each family of its type, model_name on every sample, and
+    the counters moved by exactly what four requests (streamed, not, chat, stopped) imply."""
+    before = prom.families(prom.scrape(server.url))
+    base = dict(model="tiny", temperature=0, extra_body={"ignore_eos": True})
+    usages = [client.completions.create(prompt=[4, 5, 6], max_tokens=3, **base).usage]
+    chunks = list(client.completions.create(prompt="Hello world", max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True}, **base))
+    usages.append(chunks[-1].usage)
+    usages.append(client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                                 **base).usage)
+    full = client.completions.create(prompt="The sea and the sky", max_tokens=16, **base)
+    stopped = client.completions.create(prompt="The sea and the sky", max_tokens=16,
+                                        stop=[first_stop_string(full.choices[0].text)], **base)
+    assert stopped.choices[0].finish_reason == "stop"
+    usages += [full.usage, stopped.usage]
+    text = prom.scrape(server.url)
+    after = prom.families(text)
+
+    for name, kind in prom.FAMILIES.items():
+        assert name in after, f"{name} missing from /metrics"
+        assert after[name].type == kind, (name, after[name].type)
+    unlabelled = [s for f in after.values() if f.name.startswith("raymoe:") for s in f.samples
+                  if s.labels.get("model_name") != "tiny"]
+    assert not unlabelled, unlabelled[:3]
+
+    def delta(sample: str, **labels: str) -> float:
+        return prom.value(after, sample, **labels) - prom.value(before, sample, **labels)
+
+    generated = sum(u.completion_tokens for u in usages)
+    assert delta("raymoe:generation_tokens_total") == generated
+    assert delta("raymoe:router_generated_tokens_total") == generated  # nothing aborted
+    assert delta("raymoe:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("raymoe:request_success_total", finished_reason="length") == 4
+    assert delta("raymoe:request_success_total", finished_reason="stop") == 1
+    assert delta("raymoe:request_success_total") == 5
+    assert delta("raymoe:http_requests_total", status="200") == 5
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert delta(f"raymoe:{histogram}_count") == 5, histogram
+    assert delta("raymoe:time_per_output_token_seconds_count") == sum(u.completion_tokens > 1 for u in usages)
+    assert delta("raymoe:inter_token_latency_seconds_count") > 0
+    assert delta("raymoe:worker_routed_tokens_total") > 0
+    assert delta("raymoe:prefix_cache_queries_total") > 0
+    assert 0 <= delta("raymoe:prefix_cache_hits_total") <= delta("raymoe:prefix_cache_queries_total")
+    assert prom.value(after, "raymoe:num_requests_running") == prom.value(after, "raymoe:num_requests_waiting") == 0
+    assert 0 <= prom.value(after, "raymoe:kv_cache_usage_perc") <= 1
+    assert 0 <= prom.value(after, "raymoe:prefix_cache_hit_rate") <= 1
+    assert prom.value(after, "raymoe:kv_cache_capacity_tokens") > 0
+    assert 0 < prom.value(after, "raymoe:balancedness") <= 1
+    assert len(after["raymoe:worker_routed_tokens"].samples) == 2  # one per expert worker
+    assert {s.labels["stat"] for s in after["raymoe:window_balancedness"].samples} == {"avg", "min"}
+
+    problems = prom.promtool_problems(text)
+    if problems is None:
+        print("metrics checked with prometheus_client's parser (promtool is not on PATH)")
+    else:
+        print("metrics checked with prometheus_client's parser and promtool check metrics")
+        assert not problems, problems
 
 
 def test_health_reports_every_actor(server):
@@ -295,12 +338,3 @@ def test_status_and_rebalance_commands(server):
     done = subprocess.run(command + ["rebalance", *address], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.startswith("rebalanced:"), done.stderr[-2000:]
 
-
-def test_metrics_include_the_controller(server):
-    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as response:
-        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
-    for name in ("raymoe_window_balancedness", "raymoe_rebalances", "raymoe_migration_seconds",
-                 "raymoe_migration_bytes"):
-        assert name in families, name
-    stats = {s.labels.get("stat") for s in families["raymoe_window_balancedness"].samples}
-    assert stats == {"avg", "min"}

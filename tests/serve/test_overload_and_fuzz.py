@@ -44,7 +44,7 @@ def prompt_tokens(url: str) -> float:
     """The ingress's count of prompt tokens admitted (a refused request adds none)."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
         families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
-    return sum(s.value for s in families["raymoe_prompt_tokens"].samples if s.name.endswith("_total"))
+    return sum(s.value for s in families["raymoe:prompt_tokens"].samples if s.name.endswith("_total"))
 
 
 def resume(pid: int) -> None:

@@ -39,7 +39,7 @@ def generation_tokens(url: str) -> float:
     count twice: once from the router that died, once from the one that re-ran it)."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
         families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
-    return sum(s.value for s in families["raymoe_generation_tokens"].samples if s.name.endswith("_total"))
+    return sum(s.value for s in families["raymoe:generation_tokens"].samples if s.name.endswith("_total"))
 
 
 MAX_TOKENS = 48
