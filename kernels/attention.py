@@ -24,7 +24,10 @@ contiguous ``[k, Hkv, D]`` (a view of the cache when its blocks are consecutive)
 prompt runs ``is_causal`` with no mask; a chunk after cached context, or a sliding window,
 runs in blocks of at most ``QUERY_BLOCK`` queries, each with a mask of its own
 ``[<= QUERY_BLOCK, k]``; a decode query sees its (window of) context with no mask. GQA heads
-share their kv head through SDPA's ``enable_gqa``, never a copy. On the CPU, SDPA's flash
+share their kv head through SDPA's ``enable_gqa``, never a copy. Decodes with short contexts
+(at most ``DECODE_BATCH_MAX_KEYS`` keys, bounded padding) go together instead: one gather of
+their keys ``[B, Hkv, k, D]`` and one masked SDPA call (a query of one token per sequence, so
+the scores are ``[B, H, 1, k]``). On the CPU, SDPA's flash
 kernel then runs in tiles (it needs 4-D inputs and Dk == Dv, which is why MLA's values are
 the whole latent row and the output is cut to R).
 """
@@ -40,6 +43,12 @@ import torch.nn.functional as F
 from raymoe.moe.model_config import AttentionKind, ModelConfig
 
 QUERY_BLOCK = 256  # queries per masked SDPA call: the mask is at most QUERY_BLOCK x k
+# Decodes are batched into one SDPA call when every one sees at most this many keys and
+# padding them to the longest costs at most DECODE_BATCH_MAX_PADDING x their keys: a bounded
+# [B, Hkv, k, D] gather instead of a call per sequence (which costs more than the math at
+# short contexts: measured 1.7 ms of a 12.5 ms decode step at 32 sequences on 2 CPU cores).
+DECODE_BATCH_MAX_KEYS = 2048
+DECODE_BATCH_MAX_PADDING = 2.0
 
 
 @dataclass(frozen=True)
@@ -177,20 +186,77 @@ class SdpaAttention:
                 first_rows.tolist(), q_lens.tolist(), first_key.tolist(), ctx_lens.tolist(),
                 first_block.tolist(), starts.tolist(), consecutive.tolist()))
         ]
-        return SdpaStep(self.spec, spans, metadata.block_tables, block_size)
+        decodes = _DecodeBatch.plan(spans, tables, block_size, metadata.block_tables.device)
+        if decodes is not None:
+            spans = [span for span in spans if span.num_new != 1]
+        return SdpaStep(self.spec, spans, metadata.block_tables, block_size, decodes)
+
+
+@dataclass(frozen=True)
+class _DecodeBatch:
+    """The step's decodes (one query each) as one padded SDPA call, planned once per step."""
+
+    rows: torch.Tensor  # [Bd] their query rows in the step
+    slots: torch.Tensor  # [Bd * k] cache slot of each visible key, padded with a visible one
+    mask: torch.Tensor  # [Bd, 1, 1, k] True where a key is visible
+    num_keys: int  # k: the most keys any of them sees
+
+    @classmethod
+    def plan(cls, spans: list[_Span], tables: torch.Tensor, block_size: int,
+             device: torch.device) -> "_DecodeBatch | None":
+        decodes = [span for span in spans if span.num_new == 1]
+        if len(decodes) < 2:
+            return None
+        counts = [span.num_tokens - span.first_key for span in decodes]
+        num_keys = max(counts)
+        if num_keys > DECODE_BATCH_MAX_KEYS or len(decodes) * num_keys > DECODE_BATCH_MAX_PADDING * sum(counts):
+            return None
+        first = torch.tensor([span.first_key for span in decodes]).unsqueeze(1)  # [Bd, 1]
+        count = torch.tensor(counts).unsqueeze(1)
+        offset = torch.arange(num_keys).unsqueeze(0)  # [1, k]
+        visible = offset < count
+        position = first + torch.where(visible, offset, 0)  # padding repeats the first key
+        seqs = torch.tensor([span.seq for span in decodes]).unsqueeze(1)
+        slots = tables[seqs, position // block_size] * block_size + position % block_size  # [Bd, k]
+        rows = torch.tensor([span.first_row for span in decodes])
+        return cls(rows.to(device), slots.reshape(-1).to(device), visible[:, None, None, :].to(device), num_keys)
+
+    def attend(self, q: torch.Tensor, cache: tuple[torch.Tensor, ...], spec: "AttentionSpec",
+               out: torch.Tensor) -> None:
+        """Write the decodes' outputs into their rows of ``out: [T, H, Dv]``."""
+        batch, num_keys = self.rows.shape[0], self.num_keys
+
+        def gather(paged: torch.Tensor) -> torch.Tensor:  # [N, bs, ...] -> [Bd, heads, k, D]
+            keys = paged.flatten(0, 1).index_select(0, self.slots)
+            if keys.dim() == 2:  # MLA's latent rows: one shared "head"
+                keys = keys.unsqueeze(1)
+            return keys.view(batch, num_keys, *keys.shape[1:]).transpose(1, 2)
+
+        if spec.kind is AttentionKind.MLA:
+            keys = values = gather(cache[0])
+        else:
+            keys, values = gather(cache[0]), gather(cache[1])
+        queries = q.index_select(0, self.rows).unsqueeze(2)  # [Bd, H, 1, Dk]
+        result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=spec.scale,
+                                                enable_gqa=queries.shape[1] != keys.shape[1])  # [Bd, H, 1, D]
+        out.index_copy_(0, self.rows, result[:, :, 0, : spec.value_dim])
 
 
 class SdpaStep:
-    def __init__(self, spec: AttentionSpec, spans: list[_Span], block_tables: torch.Tensor, block_size: int):
+    def __init__(self, spec: AttentionSpec, spans: list[_Span], block_tables: torch.Tensor, block_size: int,
+                 decodes: _DecodeBatch | None = None):
         self.spec = spec
-        self.spans = spans
+        self.spans = spans  # the sequences attended one by one (all of them without `decodes`)
         self.block_tables = block_tables  # [B, max_blocks] on the cache's device
         self.block_size = block_size
+        self.decodes = decodes
 
     def attend(self, q: torch.Tensor, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        if len(self.spans) == 1:  # SDPA's output is already [n, H, Dv]-contiguous: no copy
+        if len(self.spans) == 1 and self.decodes is None:  # SDPA's output is already [n, H, Dv]: no copy
             return self._attend_span(q, cache, self.spans[0])
         out = q.new_empty(q.shape[0], self.spec.num_heads, self.spec.value_dim)  # [T, H, Dv]
+        if self.decodes is not None:
+            self.decodes.attend(q, cache, self.spec, out)
         for span in self.spans:
             out[span.first_row: span.first_row + span.num_new] = self._attend_span(q, cache, span)
         return out

@@ -28,7 +28,11 @@ CASES = [
     ("window-prompts", 4, 2, 16, 6, [(21, 21), (3, 3), (40, 40)]),
     ("window-chunks-and-decodes", 4, 2, 16, 6, [(9, 30), (1, 25), (1, 4), (16, 16)]),
     ("window-long-chunk", 2, 1, 8, 37, [(2 * QUERY_BLOCK + 3, 2 * QUERY_BLOCK + 50)]),
+    # decodes of similar lengths go through one padded call (kernels/attention.py::_DecodeBatch)
+    ("decodes-batched-gqa", 4, 2, 16, None, [(1, 20), (1, 23), (3, 12), (1, 17), (1, 9)]),
+    ("window-decodes-batched", 4, 2, 16, 6, [(1, 30), (1, 12), (5, 20), (1, 7)]),
 ]
+BATCHED_DECODES = {"decodes-batched-gqa": 4, "window-decodes-batched": 3, "window-chunks-and-decodes": 2}
 BLOCK_SIZE = 8
 
 
@@ -88,7 +92,10 @@ def test_sdpa_path_matches_dense_reference(case, scattered):
     q, cache, metadata, contexts = paged_case(heads, kv_heads, dim, lengths, scattered)
     scale = dim ** -0.5
     spec = AttentionSpec(AttentionKind.GQA, heads, kv_heads, dim, dim, scale, window)
-    out = SdpaAttention(spec).plan(metadata, BLOCK_SIZE).attend(q, cache)
+    step = SdpaAttention(spec).plan(metadata, BLOCK_SIZE)
+    batched = 0 if step.decodes is None else step.decodes.rows.numel()
+    assert batched == BATCHED_DECODES.get(case[0], 0)  # which path ran is part of the case
+    out = step.attend(q, cache)
     assert out.shape == (q.shape[0], heads, dim)
     row = 0
     for (new, total), (keys, values) in zip(lengths, contexts):
