@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections import deque
 from typing import Any
 
@@ -39,8 +40,13 @@ LOG = logging.getLogger("raymoe.worker")
 class ExpertWorker:
     def __init__(self, worker: int, model_dir: str, dtype: str, device: str, placement: dict[str, Any],
                  spare_rows: int = 0, threads: int | None = None):
-        if threads:  # CPU workers: intra-op threads of the expert GEMMs (cluster config `cpu`)
-            torch.set_num_threads(threads)
+        # CPU workers (cluster config `cpu.worker_threads`): torch keeps one thread, and
+        # `threads - 1` more run other experts of the same layer meanwhile (the same GEMM calls,
+        # so outputs do not depend on the thread count). Torch's own intra-op threads were
+        # slower here: an expert's decode GEMM is too small to split well.
+        self.threads = threads or 1
+        self.executor = ThreadPoolExecutor(self.threads - 1, thread_name_prefix=f"worker-{worker}-experts") \
+            if self.threads > 1 else None
         self.worker = worker
         self.model_dir = model_dir
         self.spare_rows = spare_rows
@@ -95,7 +101,7 @@ class ExpertWorker:
             "worker": self.worker,
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
-            "compute_threads": torch.get_num_threads(),
+            "compute_threads": self.threads,
             "niceness": os.nice(0),
             "epochs": sorted(self.slot_rows),
             "experts": self.experts[latest],
@@ -120,7 +126,7 @@ class ExpertWorker:
             bind_host=ray.util.get_node_ip_address(),
         )
         exchange = WorkerExchange(comm, layout, self.slots, self.config.hidden_size, self.config.top_k, self.dtype,
-                                  self.device)
+                                  self.device, self.executor if self.device.type == "cpu" else None)
         self.exchange, self.generation, self.last_error = exchange, generation, None
         threading.Thread(target=self._serve_loop, args=(exchange,), name=f"worker-{self.worker}-g{generation}",
                          daemon=True).start()

@@ -163,12 +163,15 @@ class ServeSection(_Section):
 class CpuSection(_Section):
     """Compute threads per actor on CPU-only deployments (GPU deployments ignore it).
 
-    A router and the workers it waits on compute one after the other at every MoE layer, so a
-    worker may use the cores its node's routers leave idle meanwhile. ``worker_threads: 0``
-    (auto) gives each worker its node's CPUs divided among the workers on that node."""
+    ``router_threads``: torch's intra-op threads for the router's dense part.
+    ``worker_threads``: threads that run a layer's experts side by side in a worker (each
+    expert's GEMMs stay single-threaded calls, so outputs do not depend on it). A router and
+    its workers compute one after the other, so a worker could use the cores the routers
+    leave idle; measured on 2 cores (1 router x 1 worker, docs/BENCHMARKS.md) it did not pay
+    for itself, hence 1."""
 
     router_threads: Positive = 1
-    worker_threads: NonNegative = 0  # 0 = auto
+    worker_threads: Positive = 1
 
 
 class ClusterConfig(_Section):

@@ -16,7 +16,6 @@ import itertools
 import os
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,7 +225,7 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     balancer = config.balancer
     spare_rows = min(placement.slots_per_worker, balancer.max_copies_per_rebalance) if balancer.enabled else 0
     worker_class = ray.remote(ExpertWorker)
-    threads = worker_threads(config, worker_nodes) if not gpus else [None] * config.expert_workers
+    threads = [None if gpus else config.cpu.worker_threads] * config.expert_workers
     workers = [
         worker_class.options(
             num_cpus=0 if gpus else CPU_SLIVER, num_gpus=1 if gpus else 0, max_concurrency=concurrency,
@@ -267,16 +266,6 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     ray.get(controller.status.remote())  # up and reading telemetry before the first request
     ray.get([router.set_supervisor.remote(controller) for router in routers])
     return Deployment(config, model_config, placement, routers, workers, controller, group, worker_nodes)
-
-
-def worker_threads(config: ClusterConfig, worker_nodes: list[str]) -> list[int]:
-    """Compute threads of each CPU expert worker: ``cpu.worker_threads``, or with 0 (auto) its
-    node's CPUs shared among the workers placed on that node (at least one)."""
-    if config.cpu.worker_threads:
-        return [config.cpu.worker_threads] * len(worker_nodes)
-    node_cpus = {node["NodeID"]: int(node["Resources"].get("CPU", 1)) for node in ray.nodes() if node["Alive"]}
-    sharing = Counter(worker_nodes)
-    return [max(1, node_cpus.get(node, 1) // sharing[node]) for node in worker_nodes]
 
 
 def ensure_ray(address: str | None = None) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import struct
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
@@ -224,8 +225,9 @@ class WorkerExchange:
     """A worker's side: receive every router's rows, run the experts once, send the sums back."""
 
     def __init__(self, comm: PointToPointCommunicator, layout: GroupLayout, slots_per_worker: int, hidden_size: int,
-                 top_k: int, dtype: torch.dtype, device: torch.device):
+                 top_k: int, dtype: torch.dtype, device: torch.device, executor: Executor | None = None):
         self.comm = comm
+        self.executor = executor  # CPU: threads that run some experts meanwhile (kernels/expert_mlp.py)
         self.slots_per_worker = slots_per_worker
         self.layout = layout
         self.format = RowFormat(hidden_size, top_k, dtype)
@@ -288,7 +290,7 @@ class WorkerExchange:
             start += count
         if total:
             row_pool = pools[0] if len(pools) == 1 else torch.cat(pools)
-            partial, assignments = run_rows(rows, row_pool, weights, w13, w2, pool_counts)
+            partial, assignments = run_rows(rows, row_pool, weights, w13, w2, pool_counts, self.executor)
         else:
             partial, assignments = torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), 0
         compute_s = time.perf_counter() - started

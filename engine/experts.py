@@ -10,6 +10,7 @@ same way, sends rows to expert workers, and those workers call :func:`run_worker
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from typing import Protocol
 
 import torch
@@ -85,7 +86,7 @@ def combine_partials(num_tokens: int, row_token: torch.Tensor, partial: torch.Te
 
 
 def run_rows(rows: torch.Tensor, row_pool: torch.Tensor, row_weights: torch.Tensor, w13: torch.Tensor,
-             w2: torch.Tensor, pool_counts: list[int]) -> tuple[torch.Tensor, int]:
+             w2: torch.Tensor, pool_counts: list[int], executor: Executor | None = None) -> tuple[torch.Tensor, int]:
     """A worker's experts over the rows it received; returns ``([N, D]`` partial sums, assignments).
 
     Args:
@@ -103,7 +104,7 @@ def run_rows(rows: torch.Tensor, row_pool: torch.Tensor, row_weights: torch.Tens
     key = torch.where(row_pool >= 0, row_pool, pool_size).reshape(-1)  # [N*k], unused positions last
     chosen = torch.argsort(key, stable=True)[:assignments]  # flat (row, position), sorted by pool row
     expert_in = rows.index_select(0, torch.div(chosen, top_k, rounding_mode="floor"))
-    expert_out = grouped_swiglu(expert_in, pool_counts, w13, w2)  # [A, D]
+    expert_out = grouped_swiglu(expert_in, pool_counts, w13, w2, executor=executor)  # [A, D]
     accumulate = torch.promote_types(rows.dtype, torch.float32)
     weighted = expert_out.to(accumulate) * row_weights.reshape(-1).index_select(0, chosen).unsqueeze(1)
     slots = torch.zeros(num_rows * top_k, rows.shape[1], dtype=accumulate, device=rows.device)

@@ -19,6 +19,8 @@ Two implementations behind one function:
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +31,7 @@ def grouped_swiglu(
     w13: torch.Tensor,
     w2: torch.Tensor,
     slot_rows: list[int] | None = None,
+    executor: Executor | None = None,
 ) -> torch.Tensor:
     """Run each slot's expert over its contiguous block of rows.
 
@@ -38,6 +41,9 @@ def grouped_swiglu(
         w13: ``[R, 2I, D]``; w2: ``[R, D, I]``: stacked experts (R = S without ``slot_rows``).
         slot_rows: ``[S]`` which stacked expert serves each slot (a worker's weight pool is
             larger than its slots while a migration stages new experts).
+        executor: on the CPU, threads that run some of the experts meanwhile (see
+            :func:`_grouped_swiglu_loop`); every expert's GEMMs stay the same calls, so the
+            result is bitwise the same with or without it.
     Returns:
         ``[A, D]`` in the same row order as ``x``.
     """
@@ -52,24 +58,53 @@ def grouped_swiglu(
         raise ValueError(f"slot counts sum to {sum(counts)} but x has {x.shape[0]} rows")
     if slot_rows == list(range(w13.shape[0])) and _use_grouped_mm(x, w13, w2):
         return _grouped_swiglu_cuda(x, counts, w13, w2)  # errors propagate: see the module doc
-    return _grouped_swiglu_loop(x, counts, w13, w2, slot_rows)
+    return _grouped_swiglu_loop(x, counts, w13, w2, slot_rows, executor)
 
 
 def _grouped_swiglu_loop(
-    x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor, slot_rows: list[int]
+    x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor, slot_rows: list[int],
+    executor: Executor | None = None,
 ) -> torch.Tensor:
+    """One fused gate/up GEMM and one down GEMM per non-empty slot, each written in place.
+
+    With an ``executor`` the slots are split in two runs of about equal rows, one run on the
+    executor's thread while this thread does the other. At decode sizes an expert's GEMMs
+    are memory-bound matrix-vector work that torch runs on one thread however many it has,
+    so two threads reading different experts' weights is what uses a second core (measured
+    on 2 CPU cores, 8 experts: 1 row each 3.7 -> 2.1 ms per 4 layers).
+    """
     out = torch.empty_like(x)
     intermediate = w2.shape[2]
-    start = 0
+    jobs, start = [], 0
     for slot, count in enumerate(counts):
-        if count == 0:
-            continue
-        end = start + count
-        row = slot_rows[slot]
-        gate_up = F.linear(x[start:end], w13[row])  # [n, 2I]
-        hidden = F.silu(gate_up[:, :intermediate], inplace=True).mul_(gate_up[:, intermediate:])  # [n, I]
-        torch.mm(hidden, w2[row].t(), out=out[start:end])  # [n, D], written in place
-        start = end
+        if count:
+            jobs.append((slot_rows[slot], start, start + count))
+            start += count
+
+    # Autograd and inference modes are per thread: the executor's thread runs in the caller's.
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+    def run(part: list[tuple[int, int, int]]) -> None:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            run_jobs(part)
+
+    def run_jobs(part: list[tuple[int, int, int]]) -> None:
+        for row, begin, end in part:
+            gate_up = F.linear(x[begin:end], w13[row])  # [n, 2I]
+            hidden = F.silu(gate_up[:, :intermediate], inplace=True).mul_(gate_up[:, intermediate:])  # [n, I]
+            torch.mm(hidden, w2[row].t(), out=out[begin:end])  # [n, D], written in place
+
+    if executor is None or len(jobs) < 2:
+        run(jobs)
+        return out
+    split = 1  # the first job whose rows start past half of them (at least one job per side)
+    while split < len(jobs) - 1 and jobs[split][1] < start // 2:
+        split += 1
+    other = executor.submit(run, jobs[split:])
+    try:
+        run(jobs[:split])
+    finally:
+        other.result()  # its error, if any, is this call's; and `out` is complete only now
     return out
 
 

@@ -24,8 +24,9 @@ CASES = {
         placement={"strategy": "explicit", "redundant_slots_per_worker": 1,
                    "experts": {0: [7, 0], 1: [1, 6], 2: [2, 5], 3: [3, 4]}},
         expert_workers=4, routers=2),
-    "contiguous-4w-1r-redundant": dict(
-        placement={"strategy": "contiguous", "redundant_slots_per_worker": 2}, expert_workers=4, routers=1),
+    "contiguous-4w-1r-redundant-2threads": dict(
+        placement={"strategy": "contiguous", "redundant_slots_per_worker": 2}, expert_workers=4, routers=1,
+        cpu={"worker_threads": 2}),
 }
 
 
@@ -60,11 +61,12 @@ def test_outputs_equal_the_in_process_engine(case, ray_session, reference, tiny_
         telemetry = deployment.telemetry()
         rows = torch.tensor([t["worker_rows"] for t in telemetry]).sum(0)
         assert (rows > 0).all()
-        # cpu.worker_threads auto: the node's 4 CPUs shared among its workers (so 2-thread
-        # workers took part in the parity above); routers keep cpu.router_threads (1).
+        # cpu.worker_threads as configured (one case runs experts on 2 threads per worker
+        # in the parity above); routers keep cpu.router_threads (1).
         workers = CASES[case].get("expert_workers", 1)
         infos = ray.get([w.info.remote() for w in deployment.workers])
-        assert [i["compute_threads"] for i in infos] == [max(1, 4 // workers)] * workers
+        threads = CASES[case].get("cpu", {}).get("worker_threads", 1)
+        assert [i["compute_threads"] for i in infos] == [threads] * workers
         assert {ray.get(r.info.remote())["compute_threads"] for r in deployment.routers} == {1}
         # Replicas share their expert's tokens: every replica slot of a replicated expert served.
         slot_tokens = torch.tensor([t["slot_tokens"] for t in telemetry]).sum(0)  # [L, P]

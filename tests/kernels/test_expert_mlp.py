@@ -8,6 +8,8 @@ computed one row at a time in float64.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -219,3 +221,21 @@ def test_cuda_slot_rows_and_no_rows() -> None:
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
     empty = grouped_swiglu(x[:0], [0, 0, 0, 0, 0], pool_w13, pool_w2)
     assert empty.shape == (0, 64) and empty.device.type == "cuda"
+
+
+def test_experts_on_a_second_thread_give_bitwise_the_same_rows():
+    """cpu.worker_threads > 1 runs some experts on another thread: same GEMM calls, same bits
+    (also under inference mode, which is per thread)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    generator = torch.Generator().manual_seed(3)
+    w13, w2 = torch.randn(6, 32, 8, generator=generator), torch.randn(6, 8, 16, generator=generator)
+    with ThreadPoolExecutor(1) as executor, torch.inference_mode():
+        for counts in ([4] * 6, [1, 0, 3, 5, 0, 2], [0, 0, 0, 0, 0, 3], [9, 1, 0, 0, 0, 0]):
+            x = torch.randn(sum(counts), 8, generator=generator)
+            alone = grouped_swiglu(x, counts, w13, w2)
+            threaded = grouped_swiglu(x, counts, w13, w2, executor=executor)
+            assert torch.equal(alone, threaded), counts
+            expected = torch.cat([F.silu(x[s:s + c] @ w13[e, :16].T) * (x[s:s + c] @ w13[e, 16:].T) @ w2[e].T
+                                  for e, (s, c) in enumerate(zip([0, *itertools.accumulate(counts)], counts)) if c])
+            assert torch.allclose(threaded, expected, atol=1e-4)
