@@ -9,10 +9,10 @@ packing rows), expert compute (the slowest worker) and combine (moving rows and 
 waiting for the other routers of the step).
 
     python benchmarks/bench_ep_step.py [--requests 32] [--tokens 32] [--configs 1x1,1x4,2x4]
-        [--worker-threads auto,1]
+        [--worker-threads 1,2]
 
-``--worker-threads`` runs each configuration once per value of ``cpu.worker_threads`` (auto:
-the node's CPUs shared by its workers), so a run shows what the workers' threads buy. The
+``--worker-threads`` runs each configuration once per value of ``cpu.worker_threads`` (threads
+running a layer's experts side by side in a worker), so a run shows what they buy. The
 "interval" column is the median time from one step's start to the next (what the step loop
 spends outside the step shows as interval minus total).
 """
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--configs", default="1x1,1x4,2x4", help="RxW: routers x expert workers, comma-separated")
-    parser.add_argument("--worker-threads", default="auto", help="cpu.worker_threads values, comma-separated")
+    parser.add_argument("--worker-threads", default="1", help="cpu.worker_threads values, comma-separated")
     args = parser.parse_args()
     requests = [(prompt, args.tokens) for prompt, _ in workload(args.requests)]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
@@ -60,7 +60,7 @@ def main() -> None:
             routers, workers = (int(n) for n in label.split("x"))
             config = parse_cluster_config({"model": path, "device": "cpu", "dtype": "float32", "routers": routers,
                                            "expert_workers": workers, "placement": {"strategy": "round_robin"},
-                                           "cpu": {"worker_threads": 0 if threads == "auto" else int(threads)}})
+                                           "cpu": {"worker_threads": int(threads)}})
             deployment = deploy(config, name=f"bench-{label}-{threads}")
             used = sorted({info["compute_threads"] for info in ray.get([w.info.remote() for w in deployment.workers])})
             try:

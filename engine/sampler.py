@@ -14,7 +14,9 @@ Every stage is a batched tensor op over the step's rows; Python loops run over r
 4. the other rows are scaled by temperature and filtered by min-p, then top-k and top-p
    (top-p over the renormalised top-k survivors). The filters become a per-row threshold
    and cut in vocabulary order, so a row's distribution does not depend on its batch;
-   top-k uses ``torch.topk`` and only rows with top_p < 1 and no top_k sort the vocabulary;
+   top-k uses ``torch.topk``; rows with top_p < 1 and no top_k look for their nucleus among
+   the ``NUCLEUS_CANDIDATES`` most likely tokens and sort the whole vocabulary only when it
+   reaches past them;
 5. each random row draws one uniform and inverts its cumulative distribution: a seeded
    request uses its own generator (the same tokens whatever shares its batch), the others
    one batched draw from the device's default generator;
@@ -33,6 +35,7 @@ from raymoe.engine.structured_output import mask_logits
 
 
 TopLogprobs = list[tuple[int, float]]
+NUCLEUS_CANDIDATES = 1024  # top-p without top-k looks for its nucleus among these first
 MIN_TEMPERATURE = 1e-5  # below this a request is greedy (the limit of sampling as T -> 0)
 
 
@@ -177,16 +180,37 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
 def _top_k_top_p_threshold(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """``logits: [C, V]`` -> ``[C, 1]``: the smallest logit each row keeps under its top-k,
-    then top-p over the renormalised top-k (the smallest prefix reaching top_p, at least one)."""
+    then top-p over the renormalised top-k (the smallest prefix reaching top_p, at least one).
+
+    A row with top_p and no top-k needs its tokens in order only as far as its nucleus
+    reaches: the ``NUCLEUS_CANDIDATES`` most likely tokens (``topk``), checked to hold at least
+    top_p of the row's whole mass (else the full sort, exactly as before). A full sort of a
+    32k vocabulary costs ~2 ms per row on a CPU core; the candidates a tenth of that.
+    """
     vocab, device = logits.shape[1], logits.device
     k_max = max(top_k)
+    full_mass = None  # [C, 1] log of each row's whole mass, where the candidates are a prefix
     if k_max < vocab:
         values = torch.topk(logits, k_max, dim=-1).values  # [C, K], best first
-    else:  # a row with top_p and no top_k: only a full sort gives its cumulative mass
-        values = torch.sort(logits, dim=-1, descending=True).values  # [C, V]
+    else:
+        values = None
+        limited = [k for k in top_k if k < vocab]
+        count = max(NUCLEUS_CANDIDATES, max(limited, default=0))
+        if count < vocab:
+            candidates = torch.topk(logits, count, dim=-1).values  # [C, count], best first
+            log_mass = torch.logsumexp(logits, dim=-1, keepdim=True)
+            covered = torch.exp(candidates - log_mass).sum(dim=-1)  # each row's mass among them
+            unlimited = torch.tensor([k >= vocab for k in top_k], device=device)
+            wanted = torch.tensor(top_p, dtype=covered.dtype, device=device)
+            if bool(((covered >= wanted) | ~unlimited).all()):  # every nucleus lies among them
+                values, full_mass = candidates, torch.where(unlimited.unsqueeze(1), log_mass, float("nan"))
+        if values is None:  # only a full sort gives these rows' cumulative mass
+            values = torch.sort(logits, dim=-1, descending=True).values  # [C, V]
     rank = torch.arange(values.shape[1], device=device).unsqueeze(0)
     in_top_k = rank < torch.tensor(top_k, device=device).unsqueeze(1)
     probs = torch.softmax(values.masked_fill(~in_top_k, float("-inf")), dim=-1)
+    if full_mass is not None:  # rows without top-k: probabilities under the whole vocabulary
+        probs = torch.where(full_mass.isnan(), probs, torch.exp(values - full_mass))
     above = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each candidate
     keep = in_top_k & (above < torch.tensor(top_p, dtype=probs.dtype, device=device).unsqueeze(1))
     keep[:, 0] = True  # the most likely token, however small top_p is

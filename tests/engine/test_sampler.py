@@ -323,3 +323,33 @@ def test_top_k_rows_never_sort_the_vocabulary(monkeypatch):
     assert calls == []
     sample(logits, [sequence(SamplingParams(max_tokens=1, top_p=0.8))])
     assert calls == [1]
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_top_p_from_candidates_keeps_exactly_what_the_full_sort_keeps(top_p, monkeypatch):
+    """Top-p without top-k over a large vocabulary: the nucleus found among the most likely
+    candidates (sampler.NUCLEUS_CANDIDATES) equals the full sort's, row by row, including a
+    flat row whose nucleus reaches past the candidates (the full-sort fallback)."""
+    import raymoe.engine.sampler as sampler
+
+    vocab = 5000
+    generator = torch.Generator().manual_seed(11)
+    peaked = torch.randn(3, vocab, generator=generator) * 4  # nucleus within the first few hundred
+    flat = torch.randn(1, vocab, generator=generator) * 0.01  # nucleus of thousands of tokens
+    extra = torch.randn(1, vocab, generator=generator) * 4  # a top-k row beside them
+    for logits in (torch.cat([peaked, extra]), torch.cat([peaked, flat, extra])):
+        rows = logits.shape[0]
+        params = [SamplingParams(temperature=1.0, top_p=top_p)] * (rows - 1) + [SamplingParams(top_k=7)]
+        fast = filtered_logits(logits, params)
+        monkeypatch.setattr(sampler, "NUCLEUS_CANDIDATES", vocab)  # forces the full sort
+        slow = filtered_logits(logits, params)
+        monkeypatch.undo()
+        assert torch.equal(fast.isfinite(), slow.isfinite())
+        # an independent reference: sorted probabilities, smallest prefix reaching top_p
+        for row in range(rows - 1):
+            probs = torch.softmax(logits[row].double(), dim=0)
+            order = torch.argsort(probs, descending=True)
+            above = torch.cumsum(probs[order], 0) - probs[order]
+            kept = set(order[above < top_p].tolist())
+            assert set(fast[row].isfinite().nonzero().flatten().tolist()) == kept
+        assert int(fast[-1].isfinite().sum()) == 7  # the top-k row beside them
