@@ -11,6 +11,7 @@ import argparse
 import importlib.resources
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -69,6 +70,10 @@ def _run(args: argparse.Namespace) -> int:
     )
     config = msgspec.structs.replace(config, serve=serve_section)
     started_ray = not _ray_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
+    problem = _port_problem(config.serve.host, config.serve.port) if started_ray else None
+    if problem is not None:  # a local server: its port must be free before anything starts
+        print(f"raymoe serve: {problem}", file=sys.stderr)
+        return 2
     direct = _direct_ingress(config, started_ray)
     import ray
     from ray import serve
@@ -130,6 +135,20 @@ def _run(args: argparse.Namespace) -> int:
             finally:
                 if started_ray:
                     ray.shutdown()
+
+
+def _port_problem(host: str, port: int) -> str | None:
+    """Why the endpoint cannot listen on host:port, in one line, or None (bound and released
+    at once; otherwise Serve reports only "Failed to update the deployments" minutes later)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            return (f"cannot listen on {host}:{port} ({error.strerror or error}): another server may hold it; "
+                    f"pick another with --port or serve.port")
+    return None
 
 
 def _checkpoint_problem(model_dir: str) -> str | None:

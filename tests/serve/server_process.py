@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -12,7 +13,25 @@ import urllib.request
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A loopback port free a moment ago, below the kernel's ephemeral range. A port the kernel
+    picks (bind to 0) comes from that range, and the kernel may hand it to the next socket
+    that binds to 0, e.g. one of Ray's or gloo's while the server starts: the server's own
+    bind then fails (seen once: "Failed to bind to address '127.0.0.1:44217'")."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            ephemeral_low = int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    chooser = random.Random()
+    for _ in range(200):
+        port = chooser.randrange(20000, max(20001, min(ephemeral_low, 32768)))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # nothing free below the range: take the kernel's pick
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

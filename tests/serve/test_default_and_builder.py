@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 
 import pytest
@@ -53,3 +54,25 @@ def test_app_builder_serves_the_same_config(tiny_mixtral_dir):
 def test_app_builder_refuses_a_bad_config_before_starting_anything():
     with pytest.raises(ConfigError, match="routers"):
         build_app({"model": "/nowhere", "routers": 0})
+
+
+def test_serve_refuses_a_port_in_use_before_starting_anything(tmp_path, tiny_mixtral_dir):
+    """A port another server holds: one line naming it and what to do, exit 2, no Ray started."""
+    import socket
+    import subprocess
+    import sys
+
+    config = tmp_path / "cluster.yaml"
+    config.write_text(f"model: {tiny_mixtral_dir}\ndevice: cpu\ndtype: float32\n")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", free_port()))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "raymoe.cluster.cli", "serve", str(config), "--host", "127.0.0.1",
+             "--port", str(port)],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_TMPDIR": str(tmp_path)},
+        )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr
+    assert "Ray cluster" not in done.stderr  # refused before any Ray started
