@@ -75,6 +75,7 @@ def test_two_replicas_serve_and_one_can_die_under_load(server):
     assert on_survivor and all(how == "completed" for how in on_survivor)
     # The service goes on: new requests complete (on the survivor, or a replica Serve restarted).
     with urllib.request.urlopen(urllib.request.Request(
-            f"{server.url}/v1/completions", data=json.dumps({"prompt": [5], "max_tokens": 4}).encode(),
+            f"{server.url}/v1/completions", data=json.dumps({"prompt": [5], "max_tokens": 4, "temperature": 0,
+                                                                 "ignore_eos": True}).encode(),
             headers={"Content-Type": "application/json"}), timeout=120) as response:
         assert json.loads(response.read())["usage"]["completion_tokens"] == 4
