@@ -12,6 +12,7 @@ plain numbers so they travel through Ray as JSON-friendly dicts:
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -54,6 +55,10 @@ class Telemetry:
     num_steps: int = 0
     steps: deque = field(init=False)
     expert_loads: deque = field(init=False)  # (step index, [L, E] kept assignments per logical expert)
+    # The step thread writes; actor calls (get_telemetry, expert_loads) read from other threads.
+    # The lock covers what a reader walks or copies, so a read never sees a ring mid-append
+    # (a CI run failed with "deque mutated during iteration").
+    _lock: threading.Lock = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.slot_tokens = np.zeros((self.num_layers, self.num_slots), dtype=np.int64)
@@ -63,6 +68,7 @@ class Telemetry:
         self.worker_dropped = np.zeros(self.num_workers, dtype=np.int64)
         self.steps = deque(maxlen=self.capacity)
         self.expert_loads = deque(maxlen=self.capacity)
+        self._lock = threading.Lock()
         self.begin_step()
 
     def record_layer(self, layer: int, slot_counts, expert_tokens, dropped_per_worker, traffic: LayerTraffic,
@@ -70,15 +76,16 @@ class Telemetry:
         """One MoE layer of the current step. ``slot_counts [P]`` are host ints; ``expert_tokens [E]``
         and ``dropped_per_worker [W]`` (or None) are device tensors: they come to the host once,
         at the end of the step, not once per layer."""
-        self.slot_tokens[layer] += np.asarray(slot_counts, dtype=np.int64)
         self._layer_counts.append((layer, expert_tokens, dropped_per_worker))
         rows = np.asarray(traffic.rows_per_worker, dtype=np.int64)
-        self.worker_rows += rows
-        self.worker_bytes_sent += rows * row_bytes
-        self.worker_bytes_received += rows * row_bytes
-        self.meta_bytes += int(rows.sum()) * meta_row_bytes
-        self.bytes_sent += traffic.bytes_sent
-        self.bytes_received += traffic.bytes_received
+        with self._lock:
+            self.slot_tokens[layer] += np.asarray(slot_counts, dtype=np.int64)
+            self.worker_rows += rows
+            self.worker_bytes_sent += rows * row_bytes
+            self.worker_bytes_received += rows * row_bytes
+            self.meta_bytes += int(rows.sum()) * meta_row_bytes
+            self.bytes_sent += traffic.bytes_sent
+            self.bytes_received += traffic.bytes_received
         self._current.dispatch_s += traffic.dispatch_s
         self._current.combine_s += traffic.exchange_s  # the expert part comes out in end_step
         self._current.tokens = num_tokens
@@ -98,6 +105,7 @@ class Telemetry:
             tensors = [t for _, tokens, dropped in self._layer_counts
                        for t in ([tokens] if dropped is None else [tokens, dropped.to(tokens.dtype)])]
             flat = np.asarray(torch.cat(tensors).tolist(), dtype=np.int64)
+        with self._lock:
             offset = 0
             for layer, _, dropped in self._layer_counts:
                 load[layer] += flat[offset:offset + self.num_experts]
@@ -106,9 +114,9 @@ class Telemetry:
                     self.worker_dropped += flat[offset:offset + self.num_workers]
                     self.dropped += int(flat[offset:offset + self.num_workers].sum())
                     offset += self.num_workers
-        self.steps.append(self._current)
-        self.expert_loads.append((self.num_steps, load))
-        self.num_steps += 1
+            self.steps.append(self._current)
+            self.expert_loads.append((self.num_steps, load))
+            self.num_steps += 1
         self.begin_step()
 
     def expert_loads_since(self, cursor: int) -> tuple[int, np.ndarray]:
@@ -116,11 +124,17 @@ class Telemetry:
 
         Returns the next cursor and ``[n, L, E]``.
         """
-        loads = [load for index, load in self.expert_loads if index >= cursor]
+        with self._lock:
+            loads = [load for index, load in self.expert_loads if index >= cursor]
+            num_steps = self.num_steps
         stacked = np.stack(loads) if loads else np.zeros((0, self.num_layers, self.num_experts), dtype=np.int64)
-        return self.num_steps, stacked
+        return num_steps, stacked
 
     def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return self._snapshot_locked()
+
+    def _snapshot_locked(self) -> dict[str, Any]:
         return {
             "slot_tokens": self.slot_tokens.tolist(),
             "worker_rows": self.worker_rows.tolist(),
