@@ -62,6 +62,17 @@ class RouterLost(Exception):
 app = FastAPI(title="raymoe", description="OpenAI-compatible MoE serving with expert parallelism on Ray")
 
 
+async def _prepend(first: str | None, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``first`` (already taken from ``rest``), then the rest of ``rest``."""
+    try:
+        if first is not None:
+            yield first
+        async for event in rest:
+            yield event
+    finally:
+        await rest.aclose()
+
+
 def error_response(error: RequestError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
@@ -218,7 +229,17 @@ class OpenAIIngress:
             return JSONResponse(error.body(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         self.metrics.prompt_tokens.inc(prepared.num_prompt_tokens)
         if prepared.stream:
-            return StreamingResponse(self._sse(prepared, request_id, arrived, label), media_type="text/event-stream",
+            # The first event is awaited before the headers go out, so a request its router
+            # refuses (validate_prompt: e.g. its KV can never fit) is a 400, as unstreamed.
+            events = self._sse(prepared, request_id, arrived, label)
+            try:
+                first = await events.__anext__()
+            except StopAsyncIteration:
+                first = None
+            if isinstance(first, RequestError):
+                await events.aclose()
+                return error_response(first)
+            return StreamingResponse(_prepend(first, events), media_type="text/event-stream",
                                      headers={REPLICA_HEADER: self.replica})
         status = 500
         try:
@@ -461,7 +482,7 @@ class OpenAIIngress:
             self.in_flight[router] -= 1
 
     async def _sse(self, prepared: PreparedRequest, request_id: str, arrived: float,
-                   label: str) -> AsyncIterator[str]:
+                   label: str) -> AsyncIterator[str | RequestError]:
         """Server-sent events: an echo chunk per choice first (when asked), then each
         sequence's pieces as they come, tagged with its choice index, then usage and [DONE]."""
         chat = prepared.endpoint is Endpoint.CHAT
@@ -474,6 +495,7 @@ class OpenAIIngress:
         status = 499  # unless it ends one of the ways below: the client went away
         merged: asyncio.Queue = asyncio.Queue()
         pumps: list[asyncio.Task] = []
+        sent_any = False  # whether an event went out (after that, a failure is an error event)
         try:
             failure = None
             if prepared.echo:
@@ -483,6 +505,7 @@ class OpenAIIngress:
                     if isinstance(scores, StepFailure):
                         failure, scores = scores, None
                 if failure is None:
+                    sent_any = True
                     yield self._event(self._chunk(request_id, chat, [
                         c.echo(scores[i // prepared.n] if scores else None) for i, c in enumerate(choices)]))
             if failure is None:
@@ -497,7 +520,12 @@ class OpenAIIngress:
                 elif isinstance(output, StepFailure):
                     failure = output
                 else:
+                    sent_any = True
                     yield self._event(self._chunk(request_id, chat, [choices[index].update(output)]))
+            if failure is not None and failure.status == 400 and not sent_any:
+                status = 400  # refused before any event: _serve answers it as a 400 response
+                yield RequestError(failure.public)
+                return
             if failure is not None:
                 status = failure.status
                 LOG.warning("request %s failed: %s", request_id, failure.message)

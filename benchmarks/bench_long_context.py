@@ -9,8 +9,9 @@ random-weight demo Mixtral whose context is raised to 4,096 positions.
     tokens. Reported: the streams' ITL p50 before the prompts arrived, and their ITL p99
     from the arrival until all 4 prompts have their first token; once with the token
     budget (``--chunk``, the CPU default 512) and once without chunking (a budget that
-    holds every prompt whole: the 4 prefills run in one step). Goal: p99 during < 3x p50
-    before.
+    holds every prompt whole: the 4 prefills run in one step), both unpaced; and paced
+    (``--slowdown``, the default ``engine.prefill_step_slowdown`` 2: prompt chunks sized from
+    measured step times, engine/prefill_pacer.py). Goal: p99 during < 3x p50 before.
 (b) **Prefix caching.** 32 requests share a 1,000-token prefix and differ in a 24-token
     suffix; they arrive one after another (each when the previous one has its first
     token: the prefix is cached by then), ``max_tokens=1``. Reported: TTFT of the first,
@@ -70,16 +71,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def make_engine(path: str, budget: int, prefix_caching: bool) -> LLMEngine:
+def make_engine(path: str, budget: int, prefix_caching: bool, slowdown: float = 0) -> LLMEngine:
     return LLMEngine.from_pretrained(path, EngineConfig(
         dtype="float32", kv_cache_bytes=64 << 20, enable_prefix_caching=prefix_caching,
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget)))
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, prefill_step_slowdown=slowdown)))
 
 
-def streams_itl(path: str, budget: int, warm_steps: int, clock, seed: int = 0) -> dict[str, float]:
+def streams_itl(path: str, budget: int, warm_steps: int, clock, seed: int = 0, slowdown: float = 0) -> dict[str, float]:
     """(a): the 16 streams' ITL p50 before the long prompts and p99 while they prefill."""
     rng = random.Random(seed)
-    engine = make_engine(path, budget, prefix_caching=False)
+    engine = make_engine(path, budget, prefix_caching=False, slowdown=slowdown)
     stream_params = SamplingParams(max_tokens=10_000 // 4, temperature=0.0, ignore_eos=True)
     for index in range(16):
         engine.add_request(f"stream-{index}", random_prompt(rng, 32), stream_params)
@@ -132,6 +133,8 @@ def shared_prefix_ttft(path: str, prefix_caching: bool, clock, seed: int = 0) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chunk", type=int, nargs="+", default=[512], help="token budgets per step to run (a)")
+    parser.add_argument("--slowdown", type=float, nargs="+", default=[2.0],
+                        help="engine.prefill_step_slowdown values to run (a) with (the default pacing is 2)")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="see the module docstring")
     parser.add_argument("--warm-steps", type=int, default=30, help="decode steps before the long prompts arrive")
     args = parser.parse_args()
@@ -145,10 +148,12 @@ def main() -> None:
         make_engine(path, 512, False).generate([random_prompt(random.Random(1), 600)],
                                                       SamplingParams(max_tokens=2))  # warm-up
         print("(a) 16 decoding streams, then 4 prompts of 1,500 tokens")
-        runs = [(f"chunked ({chunk} tokens/step)", chunk) for chunk in args.chunk] + [("unchunked", 16 + 4 * 1500)]
-        for name, budget in runs:
-            r = streams_itl(path, budget, args.warm_steps, clock)
-            print(f"  {name:28s} ITL p50 before {r['itl_p50_before_ms']:7.1f} ms   p99 during "
+        runs = ([(f"paced (slowdown {slowdown:g}, budget 512)", 512, slowdown) for slowdown in args.slowdown]
+                + [(f"chunked ({chunk} tokens/step)", chunk, 0) for chunk in args.chunk]
+                + [("unchunked", 16 + 4 * 1500, 0)])
+        for name, budget, slowdown in runs:
+            r = streams_itl(path, budget, args.warm_steps, clock, slowdown=slowdown)
+            print(f"  {name:34s} ITL p50 before {r['itl_p50_before_ms']:7.1f} ms   p99 during "
                   f"{r['itl_p99_during_ms']:7.1f} ms   ratio {r['itl_p99_during_ms'] / r['itl_p50_before_ms']:5.2f}"
                   f"   ({r['steps_to_prefill']} steps until every long prompt had a token)")
         print("(b) 32 requests sharing a 1,000-token prefix, arriving one after another")

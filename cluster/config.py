@@ -40,6 +40,7 @@ import numpy as np
 import yaml
 
 from raymoe.cluster.config_errors import ConfigError, describe_validation_error
+from raymoe.engine.scheduler import DEFAULT_PREFILL_STEP_SLOWDOWN
 from raymoe.kernels.comm.factory import CommBackend
 from raymoe.moe.balancer import BalancerAlgorithm
 from raymoe.moe.capacity import OverflowPolicy
@@ -137,6 +138,9 @@ class BalancerSection(_Section):
 class EngineSection(_Section):
     max_num_seqs: Positive = 256
     max_num_batched_tokens: Positive | None = None  # tokens per step; default 512 on CPU, 2048 on GPU
+    # while sequences decode, prompt chunks are sized so a step takes about this many times a
+    # decode-only step (measured); 0: chunks take the whole max_num_batched_tokens
+    prefill_step_slowdown: Annotated[float, msgspec.Meta(ge=0)] = DEFAULT_PREFILL_STEP_SLOWDOWN
     enable_prefix_caching: bool = True
     block_size: Positive = 16
     max_model_len: Positive | None = None  # default: the model's max_position_embeddings
@@ -279,6 +283,9 @@ def _cross_field_problem(config: ClusterConfig) -> str | None:
     if several and config.serve.ingress is IngressMode.DIRECT:
         return ("serve.ingress: direct serves one replica on serve.port; with serve.replicas > 1 or "
                 "serve.autoscaling use proxy (or auto), which balances requests over the replicas")
+    if 0 < config.engine.prefill_step_slowdown <= 1:
+        return (f"engine.prefill_step_slowdown: expected a factor > 1 (a step with prompt chunks may take "
+                f"that many times a decode-only step) or 0 (off); got {config.engine.prefill_step_slowdown}")
     if config.comm.backend is CommBackend.GLOO and config.device is Device.CUDA:
         # gloo moves CPU tensors only: every dispatch on GPU activations would fail, and
         # recovery would rebuild the same gloo group and fail again, forever. (device auto

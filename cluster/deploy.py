@@ -58,7 +58,8 @@ def engine_config(config: ClusterConfig) -> EngineConfig:
         max_model_len=config.engine.max_model_len,
         kv_cache_bytes=config.engine.kv_cache_bytes,
         enable_prefix_caching=config.engine.enable_prefix_caching,
-        scheduler=SchedulerConfig(config.engine.max_num_seqs, config.engine.max_num_batched_tokens),
+        scheduler=SchedulerConfig(config.engine.max_num_seqs, config.engine.max_num_batched_tokens,
+                                  config.engine.prefill_step_slowdown),
         capacity=CapacityConfig(config.capacity.factor, config.capacity.overflow),
     )
 

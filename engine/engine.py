@@ -27,7 +27,8 @@ from raymoe.engine.model import MoEModel
 from raymoe.engine.prefix_cache import PrefixCache, PrefixCacheStats, root_key
 from raymoe.engine.sampler import sample
 from raymoe.engine.sampling_params import SamplingParams
-from raymoe.engine.scheduler import Scheduler, SchedulerConfig
+from raymoe.engine.prefill_pacer import PrefillPacer
+from raymoe.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from raymoe.engine.sequence import FinishReason, Sequence
 from raymoe.engine.structured_output import GrammarCompiler
 from raymoe.engine.weights import load_dense_weights, load_expert_stack, validate_checkpoint
@@ -117,6 +118,7 @@ class LLMEngine:
         self.cache = KVCache(config, num_blocks, block_size, dtype, self.device)
         self.scheduler = Scheduler(engine_config.scheduler, self.blocks,
                                    engine_config.scheduler.token_budget(self.device.type))
+        self.pacer = PrefillPacer(engine_config.scheduler.prefill_step_slowdown, self.scheduler.token_budget)
         self._sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -211,9 +213,18 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self.pacer.prefill_allowance() if self.pacer.enabled else None)
         if batch is None:
             return []
+        outputs = self._step(batch)
+        seconds = time.perf_counter() - started
+        self.num_steps += 1
+        self.step_seconds += seconds
+        num_decodes = sum(1 for count in batch.num_new_tokens if count == 1)
+        self.pacer.observe(num_decodes, batch.num_tokens - num_decodes, seconds)
+        return outputs
+
+    def _step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         hidden = self._run(batch.sequences, batch.num_new_tokens)  # [T, D]
         self.scheduler.computed(batch)
         # Only sequences whose tokens are now all computed sample; a prompt chunk short of its
@@ -221,8 +232,6 @@ class LLMEngine:
         ends = itertools.accumulate(batch.num_new_tokens)
         done = [(s, end - 1) for s, end in zip(batch.sequences, ends) if s.num_computed == s.num_tokens]
         if not done:
-            self.num_steps += 1
-            self.step_seconds += time.perf_counter() - started
             return []
         sequences = [s for s, _ in done]
         last_rows = torch.tensor([row for _, row in done])
@@ -242,8 +251,6 @@ class LLMEngine:
                                                  logits[i].cpu() if self.engine_config.keep_logits else None))
             except Exception as error:  # e.g. its stop-string check: it alone fails
                 outputs.append(self._fail_sequence(sequence, "checking stop conditions", error))
-        self.num_steps += 1
-        self.step_seconds += time.perf_counter() - started
         return outputs
 
     def _run(self, sequences: list[Sequence], num_new_tokens: list[int]) -> torch.Tensor:

@@ -8,7 +8,9 @@ Every step spends at most ``max_num_batched_tokens`` tokens, in this order:
    prefix the prefix cache holds, with a first chunk of whatever budget is left.
 
 So a long prompt is spread over steps and never stalls the running decodes for its whole
-prefill. A sequence samples a token only in the step that computes its last token. Each
+prefill. While sequences decode, prompts' tokens are further held to the pacer's allowance
+(engine/prefill_pacer.py: sized from measured step costs so a step takes about
+``prefill_step_slowdown`` times a decode-only step). A sequence samples a token only in the step that computes its last token. Each
 scheduled sequence's block table grows to hold the tokens it computes; when the cache has
 no block left, the newest running sequence not yet scheduled is preempted (its blocks
 freed, back to the front of the queue, recomputed later from its tokens: nothing is lost,
@@ -30,14 +32,22 @@ from raymoe.engine.sequence import Sequence, SequenceStatus
 # Tokens per step when the config leaves it open: small on a CPU, where a step's time grows
 # with its tokens from a few hundred on; larger on a GPU, where it stays flat much longer.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
+# A step that computes prompt chunks while others decode aims at 2x a decode-only step: the
+# running streams' inter-token latency at most doubles while a long prompt prefills.
+DEFAULT_PREFILL_STEP_SLOWDOWN = 2.0
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: DEFAULT_MAX_NUM_BATCHED_TOKENS for the device
+    # While sequences decode, a step with prompt chunks aims at this many times a decode-only
+    # step (engine/prefill_pacer.py); 0: prompts take the whole token budget.
+    prefill_step_slowdown: float = DEFAULT_PREFILL_STEP_SLOWDOWN
 
     def __post_init__(self) -> None:
+        if self.prefill_step_slowdown != 0 and not self.prefill_step_slowdown > 1:
+            raise ValueError(f"prefill_step_slowdown must be > 1 (or 0: off), got {self.prefill_step_slowdown}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -75,24 +85,35 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self, prefill_allowance: int | None = None) -> ScheduledBatch | None:
+        """The next step's batch. ``prefill_allowance``: the most prompt tokens (chunks and
+        admissions) the step computes when it also decodes (engine/prefill_pacer.py); None: the
+        token budget alone bounds them."""
         budget = self.token_budget
+        decoding = any(s.num_new_tokens == 1 for s in self.running)
+        # Tokens prompts (chunks and admissions) may compute this step: paced while others decode.
+        prompt_budget = min(budget, max(1, prefill_allowance)) if decoding and prefill_allowance is not None else budget
         scheduled: dict[Sequence, int] = {}  # insertion-ordered: the step's flat batch
         preemptions = self.num_preemptions
         # Steps 1 and 2: decodes first, then the running prompts' next chunks, oldest first.
         for sequence in sorted(self.running, key=lambda s: (s.num_new_tokens > 1, s.arrival)):
-            if budget == 0:
+            is_prompt = sequence.num_new_tokens > 1
+            if budget == 0 or (is_prompt and prompt_budget == 0):
                 break
             if sequence.status is not SequenceStatus.RUNNING:  # preempted by an older one above
                 continue
-            count = self._make_room(sequence, min(sequence.num_new_tokens, budget), scheduled)
+            limit = min(budget, prompt_budget) if is_prompt else budget
+            count = self._make_room(sequence, min(sequence.num_new_tokens, limit), scheduled)
             if count:
                 scheduled[sequence] = count
                 budget -= count
+                if is_prompt:
+                    prompt_budget -= count
         # Step 3: admissions, unless this step had to preempt (the cache is full).
         preempted = self.num_preemptions > preemptions
-        while not preempted and budget and self.waiting and len(self.running) < self.config.max_num_seqs:
-            count = self._admit(self.waiting[0], budget)
+        while (not preempted and budget and prompt_budget and self.waiting
+               and len(self.running) < self.config.max_num_seqs):
+            count = self._admit(self.waiting[0], min(budget, prompt_budget))
             if not count:
                 break
             sequence = self.waiting.popleft()
@@ -102,6 +123,7 @@ class Scheduler:
                 self.queue_times.observe(sequence.queue_time)
             scheduled[sequence] = count
             budget -= count
+            prompt_budget -= count
         if not scheduled:
             return None
         return ScheduledBatch(list(scheduled), list(scheduled.values()))

@@ -101,8 +101,8 @@ def test_token_budget_bounds_every_step(tiny_mixtral_dir, monkeypatch):
     scheduled = []  # per step: (tokens, [(is a decode, tokens it computes)])
     schedule = engine.scheduler.schedule
 
-    def recording_schedule():
-        batch = schedule()
+    def recording_schedule(*args):
+        batch = schedule(*args)
         if batch is not None:
             scheduled.append((batch.num_tokens, [(s.num_computed == s.num_tokens - 1, n)
                                                  for s, n in zip(batch.sequences, batch.num_new_tokens)]))

@@ -24,8 +24,10 @@ from server_process import served
 @pytest.fixture(scope="module")
 def small_server(tiny_mixtral_dir, tmp_path_factory):
     # No serve.host (the default must be loopback) and no admin token (admin routes disabled).
+    # A KV cache smaller than the context (256): a request can ask for more than it holds.
     yield from served(tmp_path_factory.mktemp("overload"), tiny_mixtral_dir,
-                      "routers: 1\nexpert_workers: 1\nengine:\n  max_num_seqs: 2\nserve:\n  max_queued_per_router: 2\n",
+                      "routers: 1\nexpert_workers: 1\nengine:\n  max_num_seqs: 2\n  kv_cache_bytes: 160000\n"
+                      "serve:\n  max_queued_per_router: 2\n",
                       env={"RAYMOE_ADMIN_TOKEN": None})
 
 
@@ -83,6 +85,30 @@ def test_overload_is_refused_with_retry_after_and_the_server_recovers(small_serv
     finally:
         resume(workers[0])
     assert post(f"{url}/v1/completions", body)[0] == 200
+
+
+def metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    return sum(s.value for s in families[name].samples)
+
+
+def test_a_request_whose_kv_can_never_fit_is_a_400_streamed_or_not(small_server):
+    # The router refuses it (validate_prompt) before queueing; a stream hears so as an HTTP
+    # 400 too, not as a 200 whose first event is an error.
+    url = small_server.url
+    capacity = int(metric(url, "raymoe:kv_cache_capacity_tokens"))
+    assert 0 < capacity < 250, capacity  # the fixture's kv_cache_bytes: below the 256-token context
+    for stream in (False, True):
+        body = {"prompt": [5, 6, 7], "max_tokens": capacity, "temperature": 0, "stream": stream}
+        code, headers, payload = post(f"{url}/v1/completions", json.dumps(body).encode())
+        assert code == 400, (stream, code, payload)
+        assert not headers.get("content-type", "").startswith("text/event-stream")
+        assert "KV cache" in payload["error"]["message"] and "kv_cache_bytes" in payload["error"]["message"], payload
+    # A request that fits streams as ever.
+    body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True, "stream": True}
+    code, headers, payload = post(f"{url}/v1/completions", json.dumps(body).encode())
+    assert code == 200 and payload["stream"].rstrip().endswith("data: [DONE]"), payload
 
 
 def test_admin_routes_are_disabled_without_a_token(small_server):
