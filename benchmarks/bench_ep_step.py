@@ -9,7 +9,7 @@ packing rows), expert compute (the slowest worker) and combine (moving rows and 
 waiting for the other routers of the step).
 
     python benchmarks/bench_ep_step.py [--requests 32] [--tokens 32] [--configs 1x1,1x4,2x4]
-        [--worker-threads 1,2]
+        [--worker-threads 1,2] [--backends gloo,sockets]
 
 ``--worker-threads`` runs each configuration once per value of ``cpu.worker_threads`` (threads
 running a layer's experts side by side in a worker), so a run shows what they buy. The
@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--configs", default="1x1,1x4,2x4", help="RxW: routers x expert workers, comma-separated")
     parser.add_argument("--worker-threads", default="1", help="cpu.worker_threads values, comma-separated")
+    parser.add_argument("--backends", default="auto", help="comm.backend values, comma-separated (e.g. gloo,sockets)")
     args = parser.parse_args()
     requests = [(prompt, args.tokens) for prompt, _ in workload(args.requests)]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
@@ -53,15 +54,16 @@ def main() -> None:
         print(f"machine: {machine_description()}")
         print(f"in-process engine: {local_s:.3f} s for {args.requests} requests x {args.tokens} tokens")
         ensure_ray()  # a Ray of its own on loopback, actors at normal priority, as `raymoe serve` runs
-        print(f"{'RxW':>5} {'threads':>7} | {'wall s':>7} {'vs local':>8} | decode step ms (median): {'dense':>6} "
+        print(f"{'RxW':>5} {'backend':>7} {'threads':>7} | {'wall s':>7} {'vs local':>8} | decode step ms (median): {'dense':>6} "
               f"{'dispatch':>8} {'experts':>8} {'combine':>8} {'total':>6} {'interval':>8} | same")
-        runs = [(label, threads) for label in args.configs.split(",") for threads in args.worker_threads.split(",")]
-        for label, threads in runs:
+        runs = [(label, backend, threads) for label in args.configs.split(",") for backend in args.backends.split(",")
+                for threads in args.worker_threads.split(",")]
+        for label, backend, threads in runs:
             routers, workers = (int(n) for n in label.split("x"))
             config = parse_cluster_config({"model": path, "device": "cpu", "dtype": "float32", "routers": routers,
                                            "expert_workers": workers, "placement": {"strategy": "round_robin"},
-                                           "cpu": {"worker_threads": int(threads)}})
-            deployment = deploy(config, name=f"bench-{label}-{threads}")
+                                           "cpu": {"worker_threads": int(threads)}, "comm": {"backend": backend}})
+            deployment = deploy(config, name=f"bench-{label}-{backend}-{threads}")
             used = sorted({info["compute_threads"] for info in ray.get([w.info.remote() for w in deployment.workers])})
             try:
                 deployment.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0))
@@ -75,7 +77,7 @@ def main() -> None:
                 starts = [r["started"] for r in records]
                 interval = 1e3 * statistics.median(b - a for a, b in zip(starts, starts[1:]))
                 same = sum(a.output_token_ids == b.output_token_ids for a, b in zip(outputs, reference))
-                print(f"{label:>5} {','.join(map(str, used)):>7} | {wall:7.3f} {wall / local_s:7.2f}x | {'':24}"
+                print(f"{label:>5} {backend:>7} {','.join(map(str, used)):>7} | {wall:7.3f} {wall / local_s:7.2f}x | {'':24}"
                       f"{split['dense_s']:6.2f} {split['dispatch_s']:8.2f} {split['expert_s']:8.2f} "
                       f"{split['combine_s']:8.2f} {sum(split.values()):6.2f} {interval:8.2f} | {same}/{len(prompts)}")
             finally:

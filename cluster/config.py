@@ -286,13 +286,14 @@ def _cross_field_problem(config: ClusterConfig) -> str | None:
     if 0 < config.engine.prefill_step_slowdown <= 1:
         return (f"engine.prefill_step_slowdown: expected a factor > 1 (a step with prompt chunks may take "
                 f"that many times a decode-only step) or 0 (off); got {config.engine.prefill_step_slowdown}")
-    if config.comm.backend is CommBackend.GLOO and config.device is Device.CUDA:
-        # gloo moves CPU tensors only: every dispatch on GPU activations would fail, and
-        # recovery would rebuild the same gloo group and fail again, forever. (device auto
-        # resolves at deploy time, where the backend follows it.)
+    if config.comm.backend in (CommBackend.GLOO, CommBackend.SOCKETS) and config.device is Device.CUDA:
+        # gloo and sockets move CPU tensors only: every dispatch on GPU activations would
+        # fail, and recovery would rebuild the same group and fail again, forever. (device
+        # auto resolves at deploy time, where the backend follows it.)
+        backend = config.comm.backend.value
         return (
-            "comm.backend: gloo moves CPU tensors only, so it cannot serve device: cuda; "
-            "set comm.backend: nccl (or auto) for GPUs, or device: cpu to keep gloo"
+            f"comm.backend: {backend} moves CPU tensors only, so it cannot serve device: cuda; "
+            f"set comm.backend: nccl (or auto) for GPUs, or device: cpu to keep {backend}"
         )
     if is_explicit and placement.experts is None:
         return "placement.experts: required when placement.strategy is explicit"

@@ -183,12 +183,12 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     gpus = _uses_gpus(config)
     backend = CommBackend(config.comm.backend.value)
     if backend is CommBackend.NCCL and not gpus:
-        raise ValueError("comm.backend: nccl needs device cuda (GPUs); use gloo or auto on CPU-only machines")
-    if backend is CommBackend.GLOO and gpus:
-        raise ValueError("comm.backend: gloo moves CPU tensors only, but this deployment runs on GPUs "
+        raise ValueError("comm.backend: nccl needs device cuda (GPUs); use sockets, gloo or auto on CPU-only machines")
+    if backend in (CommBackend.GLOO, CommBackend.SOCKETS) and gpus:
+        raise ValueError(f"comm.backend: {backend.value} moves CPU tensors only, but this deployment runs on GPUs "
                          "(device resolved to cuda); set comm.backend: nccl (or auto), or device: cpu")
     backend = CommBackend.NCCL if backend is CommBackend.AUTO and gpus else (
-        CommBackend.GLOO if backend is CommBackend.AUTO else backend)
+        CommBackend.SOCKETS if backend is CommBackend.AUTO else backend)
     # Step 2: one bundle per node-share of `workers_per_node` workers (a GPU each; a sliver
     # of CPU on CPU-only machines), spread over nodes as asked; worker w goes into bundle
     # w // workers_per_node, so STRICT_SPREAD puts that many workers on each node.

@@ -22,13 +22,14 @@ from raymoe.kernels.comm.base import Communicator
 
 
 class CommBackend(enum.Enum):
-    AUTO = "auto"  # NCCL when CUDA is available, else gloo
+    AUTO = "auto"  # NCCL when CUDA is available, else sockets
     NCCL = "nccl"
     GLOO = "gloo"
+    SOCKETS = "sockets"  # CPU ranks: a stream socket per pair, moved by the calling thread (sockets.py)
 
     def resolve(self) -> "CommBackend":
         if self is CommBackend.AUTO:
-            return CommBackend.NCCL if torch.cuda.is_available() else CommBackend.GLOO
+            return CommBackend.NCCL if torch.cuda.is_available() else CommBackend.SOCKETS
         return self
 
 
@@ -40,11 +41,19 @@ class GlooRendezvous:
 
 
 @dataclass(frozen=True)
+class SocketRendezvous:
+    host: str  # where rank 0 serves the rendezvous store (that address only)
+    port: int
+    group_name: str = "raymoe"  # with the secret appended by new_rendezvous: keys live under it
+
+
+@dataclass(frozen=True)
 class NcclRendezvous:
     unique_id: tuple[int, ...]  # from nccl_unique_id(), 128 ints
 
 
-RENDEZVOUS_TYPES = {CommBackend.GLOO: GlooRendezvous, CommBackend.NCCL: NcclRendezvous}
+RENDEZVOUS_TYPES = {CommBackend.GLOO: GlooRendezvous, CommBackend.NCCL: NcclRendezvous,
+                    CommBackend.SOCKETS: SocketRendezvous}
 
 
 def new_rendezvous(
@@ -53,10 +62,10 @@ def new_rendezvous(
     host: str = "127.0.0.1",
     port: int | None = None,
     group_name: str = "raymoe",
-) -> GlooRendezvous | NcclRendezvous:
+) -> GlooRendezvous | NcclRendezvous | SocketRendezvous:
     """A fresh rendezvous for a new group. Call it where rank 0 runs.
 
-    gloo: `host` must be rank 0's address as the other ranks reach it; `port` defaults to
+    gloo and sockets: `host` must be rank 0's address as the other ranks reach it; `port` defaults to
     a port that is free on this machine now. NCCL: host and port are not used.
     """
     backend = backend.resolve()
@@ -66,12 +75,13 @@ def new_rendezvous(
         return NcclRendezvous(nccl_unique_id())
     # A per-group secret in the store's key prefix: the rendezvous reaches the ranks through Ray
     # (authenticated), and a client of the store that does not know it finds no group.
-    return GlooRendezvous(host, free_port(host) if port is None else port, f"{group_name}/{secrets.token_hex(16)}")
+    kind = SocketRendezvous if backend is CommBackend.SOCKETS else GlooRendezvous
+    return kind(host, free_port(host) if port is None else port, f"{group_name}/{secrets.token_hex(16)}")
 
 
 def make_communicator(
     backend: CommBackend,
-    rendezvous: GlooRendezvous | NcclRendezvous,
+    rendezvous: GlooRendezvous | NcclRendezvous | SocketRendezvous,
     *,
     rank: int,
     world_size: int,
@@ -85,7 +95,7 @@ def make_communicator(
     inside the first real collective.
 
     device: the GPU of an NCCL rank (torch's current device by default); unused by gloo.
-    bind_host: gloo only, the address this rank's connections bind (its node's address).
+    bind_host: gloo and sockets, the address this rank's connections bind (its node's address).
     """
     backend = backend.resolve()
     expected_type = RENDEZVOUS_TYPES[backend]
@@ -99,9 +109,12 @@ def make_communicator(
 
         comm = NcclCommunicator.create(rank, world_size, rendezvous.unique_id, timeout_s, device=device)
     else:
-        from raymoe.kernels.comm.gloo import GlooCommunicator
+        if backend is CommBackend.SOCKETS:
+            from raymoe.kernels.comm.sockets import SocketCommunicator as Transport
+        else:
+            from raymoe.kernels.comm.gloo import GlooCommunicator as Transport
 
-        comm = GlooCommunicator.create(
+        comm = Transport.create(
             rank, world_size, rendezvous.host, rendezvous.port, timeout_s, group_name=rendezvous.group_name,
             bind_host=bind_host,
         )

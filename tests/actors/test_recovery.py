@@ -76,7 +76,7 @@ def test_a_worker_lost_mid_flight_loses_no_request(ray_session, tiny_mixtral_dir
     batch, want = expected
     config = cluster_config(tiny_mixtral_dir, expert_workers=2, routers=2,
                             placement={"strategy": "round_robin", "redundant_slots_per_worker": redundant},
-                            comm={"backend": "gloo", "timeout_s": TIMEOUT_S}, balancer={"enabled": False})
+                            comm={"backend": "sockets", "timeout_s": TIMEOUT_S}, balancer={"enabled": False})
     deployment = deploy(config, name=f"rec-{case}")
     try:
         pid = ray.get(deployment.workers[1].info.remote())["pid"]
@@ -143,7 +143,7 @@ def skewed(tmp_path_factory):
 
 def skewed_deployment(path: str, name: str):
     config = cluster_config(path, expert_workers=4, routers=1, placement=SKEWED,
-                            comm={"backend": "gloo", "timeout_s": TIMEOUT_S},
+                            comm={"backend": "sockets", "timeout_s": TIMEOUT_S},
                             balancer={"enabled": True, "interval_steps": 10**6})  # rebalance by hand only
     return deploy(config, name=name)
 
@@ -237,7 +237,7 @@ def test_a_worker_dying_inside_a_migration_loses_nothing_and_a_later_rebalance_w
 
 def test_a_frozen_peer_hits_the_deadline_and_is_recovered(ray_session, tiny_mixtral_dir, expected):
     batch, want = expected
-    config = cluster_config(tiny_mixtral_dir, expert_workers=2, routers=1, comm={"backend": "gloo",
+    config = cluster_config(tiny_mixtral_dir, expert_workers=2, routers=1, comm={"backend": "sockets",
                             "timeout_s": TIMEOUT_S}, balancer={"enabled": False})
     deployment = deploy(config, name="rec-freeze")
     pid = ray.get(deployment.workers[0].info.remote())["pid"]

@@ -155,7 +155,7 @@ def explicit(experts: str, extra: str = "") -> str:
         (MINIMUM.replace("dtype: float32", "dtype: fp8"), "dtype: expected one of auto, float32, bfloat16, float16; got 'fp8'"),
         (MINIMUM.replace("model: /path/to/checkpoint\n", ""), "model: required field is missing"),
         (MINIMUM + "comm: {timeout_s: 0}\n", "comm.timeout_s: expected a number > 0; got 0"),
-        (MINIMUM + "comm: {backend: mpi}\n", "comm.backend: expected one of auto, nccl, gloo; got 'mpi'"),
+        (MINIMUM + "comm: {backend: mpi}\n", "comm.backend: expected one of auto, nccl, gloo, sockets; got 'mpi'"),
         (MINIMUM + "capacity: {factor: -0.5}\n", "capacity.factor: expected a number > 0; got -0.5"),
         (MINIMUM + "capacity: {overflow: spill}\n", "capacity.overflow: expected one of none, drop; got 'spill'"),
         (MINIMUM + "engine: {max_model_len: 0}\n", "engine.max_model_len: expected an integer >= 1 or null; got 0"),
@@ -206,6 +206,13 @@ def test_gloo_with_cuda_is_refused_at_load(tmp_path, comm):
     assert str(info.value) == f"{path}: {GLOO_ON_CUDA}"
     with pytest.raises(ConfigError, match=r"^<config>: comm\.backend: gloo .* device: cuda"):
         parse_cluster_config({"model": "/m", "device": "cuda", "comm": {"backend": "gloo"}})
+
+
+def test_sockets_with_cuda_is_refused_at_load():
+    with pytest.raises(ConfigError, match=r"^<config>: comm\.backend: sockets moves CPU tensors only, so it cannot "
+                                          r"serve device: cuda; .* or device: cpu to keep sockets$"):
+        parse_cluster_config({"model": "/m", "device": "cuda", "comm": {"backend": "sockets"}})
+    assert parse_cluster_config({"model": "/m", "device": "cpu", "comm": {"backend": "sockets"}}).comm.backend.value == "sockets"
 
 
 def test_gloo_with_cuda_is_refused_with_an_explicit_placement_too():

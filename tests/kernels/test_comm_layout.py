@@ -20,6 +20,8 @@ from raymoe.kernels.comm import (
     GlooRendezvous,
     NcclRendezvous,
     PeerLostError,
+    SocketCommunicator,
+    SocketRendezvous,
     make_communicator,
     new_rendezvous,
 )
@@ -165,9 +167,10 @@ def test_deadline_counts_down():
 
 
 def test_auto_backend_follows_cuda():
-    expected = CommBackend.NCCL if torch.cuda.is_available() else CommBackend.GLOO
+    expected = CommBackend.NCCL if torch.cuda.is_available() else CommBackend.SOCKETS
     assert CommBackend.AUTO.resolve() is expected
     assert CommBackend.GLOO.resolve() is CommBackend.GLOO and CommBackend.NCCL.resolve() is CommBackend.NCCL
+    assert CommBackend.SOCKETS.resolve() is CommBackend.SOCKETS
 
 
 def test_factory_builds_gloo_from_a_picklable_rendezvous():
@@ -177,6 +180,19 @@ def test_factory_builds_gloo_from_a_picklable_rendezvous():
     assert isinstance(comm, GlooCommunicator)
     assert comm.exchange_counts(torch.tensor([2]), tag="factory").tolist() == [2]
     comm.close()
+
+
+def test_factory_builds_sockets_from_a_picklable_rendezvous():
+    rendezvous = pickle.loads(pickle.dumps(new_rendezvous(CommBackend.SOCKETS, group_name="factory")))
+    assert isinstance(rendezvous, SocketRendezvous) and rendezvous.port > 0
+    assert rendezvous.group_name.startswith("factory/") and len(rendezvous.group_name) > len("factory/") + 16
+    comm = make_communicator(CommBackend.SOCKETS, rendezvous, rank=0, world_size=1, timeout_s=2.0)
+    assert isinstance(comm, SocketCommunicator)
+    assert comm.exchange_counts(torch.tensor([2]), tag="factory").tolist() == [2]
+    comm.close()
+    with pytest.raises(TypeError, match="backend sockets needs a SocketRendezvous, got GlooRendezvous"):
+        make_communicator(CommBackend.SOCKETS, GlooRendezvous("127.0.0.1", free_port()), rank=0, world_size=1,
+                          timeout_s=1.0)
 
 
 def test_factory_rejects_a_rendezvous_of_the_other_backend():

@@ -1,4 +1,5 @@
-"""The gloo rendezvous store listens on the given address only, and only its group finds it.
+"""The rendezvous store (gloo's and the sockets transport's) listens on the given address only,
+and only its group finds it.
 
 Where the store listens is read from the kernel's own socket table (/proc/net/tcp), not from
 our code; the secret is shown by a client that knows the store's address and port but not
@@ -35,12 +36,14 @@ def listening_addresses(port: int) -> set[str]:
     return found
 
 
-def test_store_listens_on_its_host_only_and_the_group_works():
-    rendezvous = new_rendezvous(CommBackend.GLOO, host="127.0.0.1", group_name="bind-test")
+@pytest.mark.parametrize("backend", [CommBackend.GLOO, CommBackend.SOCKETS])
+def test_store_listens_on_its_host_only_and_the_group_works(backend):
+    rendezvous = new_rendezvous(backend, host="127.0.0.1", group_name="bind-test")
     comms: dict[int, object] = {}
 
     def join(rank: int) -> None:
-        comms[rank] = make_communicator(CommBackend.GLOO, rendezvous, rank=rank, world_size=2, timeout_s=20)
+        comms[rank] = make_communicator(backend, rendezvous, rank=rank, world_size=2, timeout_s=20,
+                                        bind_host="127.0.0.1")
 
     threads = [threading.Thread(target=join, args=(rank,)) for rank in range(2)]
     for thread in threads:

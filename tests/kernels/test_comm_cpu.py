@@ -1,4 +1,6 @@
-"""GlooCommunicator against a plain reference, with real ranks in spawned processes.
+"""The CPU transports (GlooCommunicator, SocketCommunicator) against a plain reference, with
+real ranks in spawned processes: every test runs on both, and both must behave the same
+(errors naming the collective and the peer, deadlines, abort and rebuild).
 
 Each table case is a counts matrix counts[source][destination] (rows `source` sends to
 `destination`), a dtype and a row shape. Every rank builds its inputs from a seed, so the
@@ -25,10 +27,12 @@ from raymoe.kernels.comm import (
     Communicator,
     GlooCommunicator,
     PeerLostError,
+    SocketCommunicator,
 )
 from timing import deadline_margin_s
 
 HOST = "127.0.0.1"
+TRANSPORTS = {"gloo": GlooCommunicator, "sockets": SocketCommunicator}
 TIMEOUT_S = 2.0
 DETECTION_BASE_S = 1.0  # on an idle machine a timeout is raised within TIMEOUT_S + this (tests/timing.py)
 
@@ -76,9 +80,9 @@ def reference_output(case_id: str, destination: int, counts, dtype, row_shape) -
     return torch.cat(pieces)
 
 
-def run_table(rank: int, world_size: int, port: int) -> dict:
+def run_table(rank: int, world_size: int, port: int, transport: str) -> dict:
     """Rank program: the whole table, then barrier, close, and a call after close."""
-    comm = GlooCommunicator.create(rank, world_size, HOST, port, TIMEOUT_S, group_name="table")
+    comm = TRANSPORTS[transport].create(rank, world_size, HOST, port, TIMEOUT_S, group_name="table")
     outputs = {}
     for case_id, counts, dtype, row_shape in table(world_size):
         send_counts = torch.tensor(counts[rank], dtype=torch.int64)
@@ -105,10 +109,10 @@ def run_table(rank: int, world_size: int, port: int) -> dict:
     return {"outputs": outputs, "closed_errors": closed_errors, "is_communicator": isinstance(comm, Communicator)}
 
 
-@pytest.fixture(scope="module")
-def table_results() -> dict[int, list[dict]]:
+@pytest.fixture(scope="module", params=sorted(TRANSPORTS))
+def table_results(request) -> dict[int, list[dict]]:
     return {
-        world_size: values(run_ranks(run_table, world_size, (free_port(),), timeout_s=90))
+        world_size: values(run_ranks(run_table, world_size, (free_port(), request.param), timeout_s=90))
         for world_size in COUNT_PATTERNS
     }
 
@@ -137,10 +141,10 @@ def test_satisfies_protocol_and_closed_calls_raise(table_results, world_size):
             assert message is not None and "after close" in message
 
 
-def stalled_peer(rank: int, world_size: int, port: int, rebuild_port: int, mode: str) -> dict:
+def stalled_peer(rank: int, world_size: int, port: int, rebuild_port: int, mode: str, transport: str) -> dict:
     """Rank program: rank 2 stalls (stops itself, or skips the collective); the others must
     time out naming rank 2, abort, and rebuild a two-rank group that works."""
-    comm = GlooCommunicator.create(rank, world_size, HOST, port, TIMEOUT_S, group_name="stalled")
+    comm = TRANSPORTS[transport].create(rank, world_size, HOST, port, TIMEOUT_S, group_name="stalled")
     comm.barrier(tag="warm up")
     if rank == 2:
         if mode == "stop":
@@ -162,17 +166,18 @@ def stalled_peer(rank: int, world_size: int, port: int, rebuild_port: int, mode:
         after_abort = None
     except CommClosedError as error:
         after_abort = str(error)
-    rebuilt = GlooCommunicator.create(rank, 2, HOST, rebuild_port, TIMEOUT_S, group_name="rebuilt")
+    rebuilt = TRANSPORTS[transport].create(rank, 2, HOST, rebuild_port, TIMEOUT_S, group_name="rebuilt")
     recv_counts = rebuilt.exchange_counts(torch.tensor([1, 2], dtype=torch.int64), tag="rebuilt counts")
     received = rebuilt.exchange_payload(send, [1, 2], recv_counts.tolist(), tag="rebuilt payload")
     rebuilt.close()
     return {"error": caught, "elapsed": elapsed, "after_abort": after_abort, "received": received}
 
 
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 @pytest.mark.parametrize("mode", ["stop", "skip"])
-def test_stalled_peer_times_out_naming_it_then_rebuild_works(mode):
+def test_stalled_peer_times_out_naming_it_then_rebuild_works(mode, transport):
     outcome = run_ranks(
-        stalled_peer, 3, (free_port(), free_port(), mode), timeout_s=60,
+        stalled_peer, 3, (free_port(), free_port(), mode, transport), timeout_s=60,
         silent_ranks=(2,) if mode == "stop" else (),
     )
     survivors = values(outcome[:2])
@@ -194,9 +199,9 @@ def test_stalled_peer_times_out_naming_it_then_rebuild_works(mode):
         assert result.exit_code == 0, f"rank {result.rank} did not exit cleanly (hung or crashed)"
 
 
-def mismatched_tags(rank: int, world_size: int, port: int) -> str | None:
+def mismatched_tags(rank: int, world_size: int, port: int, transport: str) -> str | None:
     """Rank program: the ranks' programs diverged: they enter different collectives."""
-    comm = GlooCommunicator.create(rank, world_size, HOST, port, TIMEOUT_S, group_name="mismatch")
+    comm = TRANSPORTS[transport].create(rank, world_size, HOST, port, TIMEOUT_S, group_name="mismatch")
     tag = "layer 3 dispatch" if rank == 0 else "layer 3 combine"
     try:
         comm.exchange_counts(torch.ones(world_size, dtype=torch.int64), tag=tag)
@@ -207,15 +212,16 @@ def mismatched_tags(rank: int, world_size: int, port: int) -> str | None:
     return None
 
 
-def test_ranks_in_different_collectives_raise_mismatch():
-    messages = values(run_ranks(mismatched_tags, 2, (free_port(),), timeout_s=60))
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_ranks_in_different_collectives_raise_mismatch(transport):
+    messages = values(run_ranks(mismatched_tags, 2, (free_port(), transport), timeout_s=60))
     assert messages[0] is not None and messages[0].startswith("1|") and "'layer 3 dispatch'" in messages[0]
     assert messages[1] is not None and messages[1].startswith("0|") and "'layer 3 combine'" in messages[1]
 
 
-def dying_peer(rank: int, world_size: int, port: int) -> dict:
+def dying_peer(rank: int, world_size: int, port: int, transport: str) -> dict:
     """Rank program: rank 1 dies after joining; rank 0 must name it well before the deadline."""
-    comm = GlooCommunicator.create(rank, world_size, HOST, port, TIMEOUT_S * 5, group_name="dying")
+    comm = TRANSPORTS[transport].create(rank, world_size, HOST, port, TIMEOUT_S * 5, group_name="dying")
     comm.barrier(tag="warm up")
     if rank == 1:
         os._exit(17)
@@ -229,25 +235,28 @@ def dying_peer(rank: int, world_size: int, port: int) -> dict:
         comm.abort()
 
 
-def test_dead_peer_raises_peer_lost_naming_it():
-    outcome = run_ranks(dying_peer, 2, (free_port(),), timeout_s=60, silent_ranks=(1,))
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_dead_peer_raises_peer_lost_naming_it(transport):
+    outcome = run_ranks(dying_peer, 2, (free_port(), transport), timeout_s=60, silent_ranks=(1,))
     result = values(outcome[:1])[0]
     assert result.get("peer") == 1, result
     assert "'layer 5 combine'" in result["message"] and "rank 1 (of 2)" in result["message"]
     assert result["elapsed"] < TIMEOUT_S * 5  # detected from the closed connection, not the deadline
 
 
-def test_join_without_peers_fails_within_timeout():
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_join_without_peers_fails_within_timeout(transport):
     started = time.monotonic()
-    with pytest.raises(CommError, match="could not join gloo group 'lonely' of 2 ranks"):
-        GlooCommunicator.create(0, 2, HOST, free_port(), 1.0, group_name="lonely")
+    with pytest.raises(CommError, match=f"could not join {transport} group 'lonely' of 2 ranks"):
+        TRANSPORTS[transport].create(0, 2, HOST, free_port(), 1.0, group_name="lonely")
     elapsed = time.monotonic() - started
     margin = deadline_margin_s(DETECTION_BASE_S)
     assert elapsed <= 1.0 + margin, (elapsed, margin)
 
 
-def test_single_rank_validates_inputs_and_sends_to_itself():
-    comm = GlooCommunicator.create(0, 1, HOST, free_port(), TIMEOUT_S, group_name="single")
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_single_rank_validates_inputs_and_sends_to_itself(transport):
+    comm = TRANSPORTS[transport].create(0, 1, HOST, free_port(), TIMEOUT_S, group_name="single")
     send = torch.arange(8, dtype=torch.bfloat16).reshape(4, 2)
     assert torch.equal(comm.exchange_payload(send, [4], [4], tag="self"), send)
     assert comm.exchange_counts(torch.tensor([4]), tag="self counts").tolist() == [4]
@@ -262,7 +271,85 @@ def test_single_rank_validates_inputs_and_sends_to_itself():
         comm.exchange_payload(send, [4], [4], tag="closed call")
 
 
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 @pytest.mark.parametrize("timeout_s", [0, -1.0, float("inf"), "2"])
-def test_rejects_a_missing_deadline(timeout_s):
+def test_rejects_a_missing_deadline(timeout_s, transport):
     with pytest.raises(ValueError, match="timeout_s"):
-        GlooCommunicator.create(0, 1, HOST, free_port(), timeout_s)
+        TRANSPORTS[transport].create(0, 1, HOST, free_port(), timeout_s)
+
+
+def large_both_ways(rank: int, world_size: int, port: int, transport: str) -> dict:
+    """Rank program: every rank sends 8 MiB to every other at once (far more than a socket
+    buffer holds), so each must read while it writes; then a burst of small messages."""
+    comm = TRANSPORTS[transport].create(rank, world_size, HOST, port, TIMEOUT_S * 5, group_name="large")
+    rows = 2 * 1024 * 1024  # float32: 8 MiB per peer
+    send = torch.arange(world_size * rows, dtype=torch.float32) + 1e7 * rank
+    received = comm.exchange_payload(send, [rows] * world_size, [rows] * world_size, tag="large")
+    checks = [torch.equal(received[p * rows:(p + 1) * rows], torch.arange(rank * rows, (rank + 1) * rows,
+                                                                           dtype=torch.float32) + 1e7 * p)
+              for p in range(world_size)]
+    for step in range(200):
+        comm.exchange_counts(torch.full((world_size,), step, dtype=torch.int64), tag=f"burst {step}")
+    comm.close()
+    return {"checks": checks}
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_large_messages_both_ways_at_once(transport):
+    for result in values(run_ranks(large_both_ways, 3, (free_port(), transport), timeout_s=90)):
+        assert result["checks"] == [True, True, True]
+
+
+def abort_while_waiting(rank: int, world_size: int, port: int) -> dict:
+    """Rank program: rank 0 waits for a message rank 1 never sends; another thread aborts
+    rank 0's communicator: the wait must end at once, well before the deadline."""
+    import threading
+
+    comm = SocketCommunicator.create(rank, world_size, HOST, port, 30.0, group_name="abort")
+    comm.barrier(tag="warm up")
+    if rank == 1:
+        time.sleep(3.0)
+        return {}
+    threading.Timer(0.5, comm.abort).start()
+    started = time.monotonic()
+    try:
+        comm.exchange_counts(torch.ones(world_size, dtype=torch.int64), tag="layer 0 dispatch")
+        return {"error": None}
+    except CommError as error:
+        return {"error": type(error).__name__, "message": str(error), "elapsed": time.monotonic() - started}
+
+
+def test_sockets_abort_from_another_thread_wakes_a_waiting_collective():
+    result = values(run_ranks(abort_while_waiting, 2, (free_port(),), timeout_s=60))[0]
+    assert result["error"] == "CommClosedError" and "'layer 0 dispatch'" in result["message"], result
+    assert 0.4 <= result["elapsed"] < 5.0, result  # woken by abort(), not by the 30 s deadline
+
+
+def test_sockets_refuse_a_connection_that_does_not_know_the_group():
+    import socket
+    import threading
+
+    port = free_port()
+    outcome: dict = {}
+
+    def rank0():
+        try:
+            outcome["comm"] = SocketCommunicator.create(0, 2, HOST, port, 5.0, group_name="secret/abc")
+        except CommError as error:
+            outcome["error"] = str(error)
+
+    joiner = threading.Thread(target=rank0)
+    joiner.start()
+    from torch import distributed
+    import datetime
+
+    store = distributed.TCPStore(HOST, port, 2, False, timeout=datetime.timedelta(seconds=5))
+    keys = distributed.PrefixStore("secret/abc", store)
+    keys.wait(["address/0"], datetime.timedelta(seconds=5))
+    host, listen_port = keys.get("address/0").decode().rsplit("|", 1)
+    with socket.create_connection((host, int(listen_port)), timeout=5) as stranger:
+        stranger.sendall(b"\x01" + b"\x00" * 7 + b"\x00" * 32)  # rank 1, but a wrong digest
+        stranger.settimeout(5)
+        assert stranger.recv(1) == b""  # refused: closed without a word
+    joiner.join(timeout=15)
+    assert "comm" not in outcome and "could not join sockets group" in outcome.get("error", ""), outcome

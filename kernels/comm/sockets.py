@@ -1,0 +1,331 @@
+"""A socket transport for CPU ranks: one stream socket per pair, no library in between.
+
+Why: on CPU the expert-parallel exchange pays one to two round trips per MoE layer, and
+gloo's round trip over loopback costs ~6x a bare socket's (benchmarks/bench_cpu_floor.py:
+135 vs 22 us for 4 KiB), because each send or receive goes through gloo's own threads and
+a completion wait. Here the calling thread moves the bytes itself: non-blocking sockets and
+``poll``, sends written as soon as they are posted, receives read straight into the
+destination tensor.
+
+Like gloo.py this module is only the transport under `PointToPointCommunicator`
+(kernels/comm/p2p.py): ``_post`` queues a batch of messages, ``_wait`` moves them under the
+deadline. Each message is a 16-byte header (the pair's message number, the byte count) and
+the bytes; a stream per pair keeps them in order, and the numbers check that both sides
+agree. A closed connection is `PeerLostError` naming the peer; a deadline that passes is
+`CollectiveTimeout` naming the first peer still owing or owed bytes; `abort()` from another
+thread wakes a waiting one (a pipe in every poll).
+
+Rendezvous: rank 0 serves a c10d TCPStore on ``host:port`` (that address only); every rank
+listens on its own address (``bind_host``, an ephemeral port), publishes it under the
+group's name (which carries the group's secret), connects to each lower rank and accepts
+each higher one. A connection starts with the connecting rank and a digest of the group
+name, so a stranger's connection is refused.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import select
+import socket
+import struct
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as distributed
+
+from raymoe.kernels.comm.base import Deadline, validate_group, validate_timeout
+from raymoe.kernels.comm.errors import CollectiveTimeout, CommClosedError, CommError, PeerLostError
+from raymoe.kernels.comm.p2p import Message, PointToPointCommunicator
+
+HEADER = struct.Struct("<qq")  # message number, bytes
+HELLO = struct.Struct("<q32s")  # connecting rank, sha256 of the group name
+POLL_SLICE_S = 0.5  # a wait re-checks the communicator's state at least this often
+
+
+@dataclass
+class _Outgoing:
+    peer: int
+    views: list[memoryview]  # header, then the bytes
+
+
+@dataclass
+class _Incoming:
+    message: Message
+    header: bytearray = field(default_factory=lambda: bytearray(HEADER.size))
+    header_got: int = 0
+    body: memoryview | None = None  # set once the header checked out
+    body_got: int = 0
+
+
+@dataclass
+class _Pending:
+    sends: dict[int, deque] = field(default_factory=dict)  # peer -> _Outgoing, in order
+    recvs: dict[int, deque] = field(default_factory=dict)  # peer -> _Incoming, in order
+
+    @property
+    def done(self) -> bool:
+        return not self.sends and not self.recvs
+
+
+class SocketCommunicator(PointToPointCommunicator):
+    """One rank of a socket group: the transport under `PointToPointCommunicator`."""
+
+    backend_name = "sockets"
+
+    def __init__(self, *, rank: int, world_size: int, timeout_s: float, group_name: str,
+                 store: distributed.Store | None, peers: dict[int, socket.socket]) -> None:
+        super().__init__(rank=rank, world_size=world_size, timeout_s=timeout_s)
+        self.group_name = group_name
+        self._store = store  # rank 0 hosts the rendezvous server: keep it alive with the group
+        self._peers = peers
+        for connection in peers.values():
+            connection.setblocking(False)
+        self._wake_read, self._wake_write = os.pipe()  # abort() wakes a thread inside _wait
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+
+    @classmethod
+    def create(cls, rank: int, world_size: int, host: str, port: int, timeout_s: float, *,
+               group_name: str = "raymoe", bind_host: str | None = None) -> "SocketCommunicator":
+        """Joins the group whose rendezvous server rank 0 hosts at host:port; blocks until
+        this rank is connected to every other, at most ``timeout_s``. ``bind_host``: the
+        address this rank listens on for higher ranks (its node's; default ``host``)."""
+        validate_group(rank, world_size)
+        timeout_s = validate_timeout(timeout_s)
+        deadline = Deadline(timeout_s)
+        peers: dict[int, socket.socket] = {}
+        listener = None
+        store = None
+        try:
+            listen_fd = _listen(host, port).detach() if rank == 0 else None
+            store = distributed.TCPStore(
+                host, port, world_size, rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
+                wait_for_workers=False, **({"master_listen_fd": listen_fd} if listen_fd is not None else {}),
+            )
+            keys = distributed.PrefixStore(group_name, store)
+            digest = hashlib.sha256(group_name.encode()).digest()
+            listener = _listen(bind_host or host, 0)
+            own_host, own_port = listener.getsockname()[:2]
+            keys.set(f"address/{rank}", f"{own_host}|{own_port}")
+            for peer in range(rank):  # connect to every lower rank
+                keys.wait([f"address/{peer}"], datetime.timedelta(seconds=max(deadline.remaining_s(), 0.001)))
+                peer_host, peer_port = keys.get(f"address/{peer}").decode().rsplit("|", 1)
+                connection = socket.create_connection((peer_host, int(peer_port)),
+                                                      timeout=max(deadline.remaining_s(), 0.001))
+                _tune(connection)
+                connection.sendall(HELLO.pack(rank, digest))
+                peers[peer] = connection
+            while len(peers) < world_size - 1:  # accept every higher rank
+                listener.settimeout(max(deadline.remaining_s(), 0.001))
+                connection, _ = listener.accept()
+                connection.settimeout(max(deadline.remaining_s(), 0.001))
+                hello = _receive_exactly(connection, HELLO.size)
+                other, their_digest = HELLO.unpack(hello)
+                if their_digest != digest or not rank < other < world_size or other in peers:
+                    connection.close()  # not a member of this group (or a duplicate): refused
+                    continue
+                _tune(connection)
+                peers[other] = connection
+        except (OSError, RuntimeError, ValueError) as error:
+            for connection in peers.values():
+                connection.close()
+            raise CommError(
+                f"rank {rank} could not join sockets group {group_name!r} of {world_size} ranks "
+                f"at {host}:{port} within {timeout_s:.1f} s: {_first_line(error)}"
+            ) from error
+        finally:
+            if listener is not None:
+                listener.close()
+        return cls(rank=rank, world_size=world_size, timeout_s=timeout_s, group_name=group_name,
+                   store=store, peers=peers)
+
+    # ---- the transport ------------------------------------------------------------------
+    def _check_device(self, tensor: torch.Tensor, tag: str) -> None:
+        if tensor.device.type != "cpu":
+            raise CommError(f"collective {tag!r}: the sockets transport moves CPU tensors, got one on {tensor.device}")
+
+    def _post(self, sends: list[Message], recvs: list[Message], tag: str) -> _Pending:
+        pending = _Pending()
+        for message in recvs:
+            pending.recvs.setdefault(message.peer, deque()).append(_Incoming(message))
+        for message in sends:
+            header = memoryview(HEADER.pack(message.number, message.buffer.numel()))
+            views = [header, _view(message.buffer)] if message.buffer.numel() else [header]
+            pending.sends.setdefault(message.peer, deque()).append(_Outgoing(message.peer, views))
+        for peer in list(pending.sends):  # most messages fit the socket buffer: out right away
+            self._write(pending, peer, tag)
+        return pending
+
+    def _wait(self, pending: _Pending, deadline: Deadline, tag: str) -> None:
+        while True:
+            if self._closed:  # aborted from another thread (its sockets are closed)
+                raise self._broken(CommClosedError(tag))
+            for peer in list(pending.recvs):
+                self._read(pending, peer, tag)
+            if pending.done:
+                return
+            remaining = deadline.remaining_s()
+            if remaining <= 0:
+                waiting_for = next(iter(pending.recvs), None)
+                if waiting_for is None:
+                    waiting_for = next(iter(pending.sends))
+                raise self._broken(CollectiveTimeout(tag=tag, timeout_s=deadline.timeout_s, peer=waiting_for,
+                                                     world_size=self.world_size))
+            poller = select.poll()
+            poller.register(self._wake_read, select.POLLIN)
+            events: dict[int, int] = {}
+            for peer in pending.recvs:
+                events[peer] = select.POLLIN
+            for peer in pending.sends:
+                events[peer] = events.get(peer, 0) | select.POLLOUT
+            by_fd = {}
+            for peer, mask in events.items():
+                connection = self._peers[peer]
+                by_fd[connection.fileno()] = peer
+                poller.register(connection, mask)
+            ready = poller.poll(1000 * min(remaining, POLL_SLICE_S))
+            for fd, flags in ready:
+                peer = by_fd.get(fd)
+                if peer is None or self._closed:
+                    continue
+                if flags & select.POLLOUT and peer in pending.sends:
+                    self._write(pending, peer, tag)
+                elif flags & (select.POLLERR | select.POLLHUP | select.POLLNVAL) and peer not in pending.recvs:
+                    raise self._lost(peer, tag)  # (a peer we read from hears its end at the top)
+
+    def _write(self, pending: _Pending, peer: int, tag: str) -> None:
+        """Writes what ``peer``'s socket takes now of its queued messages."""
+        queue = pending.sends[peer]
+        connection = self._peers[peer]
+        while queue:
+            outgoing = queue[0]
+            try:
+                sent = connection.sendmsg(outgoing.views)
+            except BlockingIOError:
+                return
+            except OSError as error:
+                raise self._broken(PeerLostError(tag=tag, peer=peer, world_size=self.world_size,
+                                                 detail=f"sending failed: {_first_line(error)}")) from error
+            while sent:
+                view = outgoing.views[0]
+                if sent >= len(view):
+                    sent -= len(view)
+                    outgoing.views.pop(0)
+                else:
+                    outgoing.views[0] = view[sent:]
+                    sent = 0
+            if outgoing.views:
+                return  # the socket is full: the rest when it is writable again
+            queue.popleft()
+        del pending.sends[peer]
+
+    def _read(self, pending: _Pending, peer: int, tag: str) -> None:
+        """Reads what ``peer``'s socket holds now into its posted receives, in order."""
+        queue = pending.recvs[peer]
+        connection = self._peers[peer]
+        while queue:
+            incoming = queue[0]
+            try:
+                if incoming.body is None:
+                    got = connection.recv_into(memoryview(incoming.header)[incoming.header_got:])
+                    if got == 0:
+                        raise self._lost(peer, tag)
+                    incoming.header_got += got
+                    if incoming.header_got < HEADER.size:
+                        return
+                    self._check_header(incoming, tag)
+                    incoming.body = _view(incoming.message.buffer)
+                if incoming.body_got < len(incoming.body):
+                    got = connection.recv_into(incoming.body[incoming.body_got:])
+                    if got == 0:
+                        raise self._lost(peer, tag)
+                    incoming.body_got += got
+                    if incoming.body_got < len(incoming.body):
+                        continue  # read on while the socket has bytes
+            except BlockingIOError:
+                return
+            except (ConnectionError, OSError) as error:
+                if isinstance(error, CommError):
+                    raise
+                raise self._broken(PeerLostError(tag=tag, peer=peer, world_size=self.world_size,
+                                                 detail=f"receiving failed: {_first_line(error)}")) from error
+            queue.popleft()
+        del pending.recvs[peer]
+
+    def _check_header(self, incoming: _Incoming, tag: str) -> None:
+        number, size = HEADER.unpack(incoming.header)
+        message = incoming.message
+        expected = message.buffer.numel()
+        if number != message.number or size != expected:
+            raise self._broken(CommError(
+                f"collective {tag!r}: rank {message.peer} (of {self.world_size}) sent message {number} of "
+                f"{size} bytes where this rank expects message {message.number} of {expected} bytes; the ranks "
+                f"called collectives in different orders. Rebuild the communicator (abort(), then create a new one)"
+            ))
+
+    def _lost(self, peer: int, tag: str) -> CommError:
+        return self._broken(PeerLostError(tag=tag, peer=peer, world_size=self.world_size,
+                                          detail="the connection was closed (the peer process most likely died)"))
+
+    def _teardown(self, abort: bool) -> None:
+        try:
+            os.write(self._wake_write, b"x")  # a thread inside _wait wakes and sees the state
+        except OSError:
+            pass
+        for connection in self._peers.values():
+            if abort:
+                try:
+                    connection.shutdown(socket.SHUT_RDWR)  # the peers hear it now
+                except OSError:
+                    pass
+            connection.close()
+        self._store = None
+
+    def __del__(self) -> None:
+        for fd in (getattr(self, "_wake_read", None), getattr(self, "_wake_write", None)):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+def _view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a flat contiguous uint8 CPU tensor, writable, without a copy."""
+    return memoryview(tensor.numpy()).cast("B")
+
+
+def _tune(connection: socket.socket) -> None:
+    if connection.family in (socket.AF_INET, socket.AF_INET6):
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # latency over batching
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+        listener.listen(1024)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+def _receive_exactly(connection: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = connection.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the connecting rank closed the connection before saying who it is")
+        data += chunk
+    return bytes(data)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
