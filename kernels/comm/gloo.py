@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
-import socket
 
 import torch
 import torch.distributed as distributed
@@ -22,6 +20,7 @@ import torch.distributed as distributed
 from raymoe.kernels.comm.base import Deadline, validate_group, validate_timeout
 from raymoe.kernels.comm.errors import CollectiveTimeout, CommError, PeerLostError
 from raymoe.kernels.comm.p2p import Message, PointToPointCommunicator
+from raymoe.kernels.comm.store import first_line, open_store
 
 MINIMUM_WAIT_S = 0.001  # a zero timeout means "the group default" to c10d: never pass one
 GLOO_TAG_MODULUS = 2**31  # gloo message tags are 32-bit
@@ -70,19 +69,8 @@ class GlooCommunicator(PointToPointCommunicator):
         validate_group(rank, world_size)
         timeout_s = validate_timeout(timeout_s)
         timeout = datetime.timedelta(seconds=timeout_s)
-        listen_fd = None
         try:
-            is_server = rank == 0
-            if is_server:
-                # The store closes the fd it is given when it is destroyed, so Python must not
-                # own it too: a second close, later, could close a newer group's socket that
-                # reused the number (a gloo abort on a bad fd).
-                listen_fd = _listen(host, port).detach()
-            store = distributed.TCPStore(
-                host, port, world_size, is_server, timeout=timeout, wait_for_workers=False,
-                **({"master_listen_fd": listen_fd} if listen_fd is not None else {}),
-            )
-            listen_fd = None  # the store's now
+            store = open_store(rank, world_size, host, port, timeout_s)
             options = distributed.ProcessGroupGloo._Options()
             options._timeout = timeout
             options._devices = [_gloo_device(bind_host or host)]
@@ -90,11 +78,9 @@ class GlooCommunicator(PointToPointCommunicator):
                 distributed.PrefixStore(group_name, store), rank, world_size, options
             )
         except (RuntimeError, OSError) as error:
-            if listen_fd is not None:
-                os.close(listen_fd)
             raise CommError(
                 f"rank {rank} could not join gloo group {group_name!r} of {world_size} ranks "
-                f"at {host}:{port} within {timeout_s:.1f} s: {_first_line(error)}"
+                f"at {host}:{port} within {timeout_s:.1f} s: {first_line(error)}"
             ) from error
         communicator = cls(
             rank=rank,
@@ -150,23 +136,9 @@ class GlooCommunicator(PointToPointCommunicator):
             )
         else:
             failure = PeerLostError(
-                tag=tag, peer=peer, world_size=self.world_size, detail=_first_line(error)
+                tag=tag, peer=peer, world_size=self.world_size, detail=first_line(error)
             )
         raise self._broken(failure) from error
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """A socket listening on host:port only, for rank 0's store (c10d's own binds every interface)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listener.bind((host, port))
-        listener.listen(1024)
-    except OSError:
-        listener.close()
-        raise
-    return listener
 
 
 def _gloo_device(host: str) -> distributed.ProcessGroupGloo.Device:
@@ -178,8 +150,3 @@ def _gloo_device(host: str) -> distributed.ProcessGroupGloo.Device:
     if is_loopback:
         return distributed.ProcessGroupGloo.create_device(hostname=host)
     return distributed.ProcessGroupGloo.create_default_device()
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__

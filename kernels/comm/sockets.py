@@ -39,6 +39,7 @@ import torch.distributed as distributed
 from raymoe.kernels.comm.base import Deadline, validate_group, validate_timeout
 from raymoe.kernels.comm.errors import CollectiveTimeout, CommClosedError, CommError, PeerLostError
 from raymoe.kernels.comm.p2p import Message, PointToPointCommunicator
+from raymoe.kernels.comm.store import first_line, listen, open_store
 
 HEADER = struct.Struct("<qq")  # message number, bytes
 HELLO = struct.Struct("<q32s")  # connecting rank, sha256 of the group name
@@ -100,14 +101,10 @@ class SocketCommunicator(PointToPointCommunicator):
         listener = None
         store = None
         try:
-            listen_fd = _listen(host, port).detach() if rank == 0 else None
-            store = distributed.TCPStore(
-                host, port, world_size, rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
-                wait_for_workers=False, **({"master_listen_fd": listen_fd} if listen_fd is not None else {}),
-            )
+            store = open_store(rank, world_size, host, port, timeout_s)
             keys = distributed.PrefixStore(group_name, store)
             digest = hashlib.sha256(group_name.encode()).digest()
-            listener = _listen(bind_host or host, 0)
+            listener = listen(bind_host or host, 0)
             own_host, own_port = listener.getsockname()[:2]
             keys.set(f"address/{rank}", f"{own_host}|{own_port}")
             for peer in range(rank):  # connect to every lower rank
@@ -134,7 +131,7 @@ class SocketCommunicator(PointToPointCommunicator):
                 connection.close()
             raise CommError(
                 f"rank {rank} could not join sockets group {group_name!r} of {world_size} ranks "
-                f"at {host}:{port} within {timeout_s:.1f} s: {_first_line(error)}"
+                f"at {host}:{port} within {timeout_s:.1f} s: {first_line(error)}"
             ) from error
         finally:
             if listener is not None:
@@ -208,7 +205,7 @@ class SocketCommunicator(PointToPointCommunicator):
                 return
             except OSError as error:
                 raise self._broken(PeerLostError(tag=tag, peer=peer, world_size=self.world_size,
-                                                 detail=f"sending failed: {_first_line(error)}")) from error
+                                                 detail=f"sending failed: {first_line(error)}")) from error
             while sent:
                 view = outgoing.views[0]
                 if sent >= len(view):
@@ -251,7 +248,7 @@ class SocketCommunicator(PointToPointCommunicator):
                 if isinstance(error, CommError):
                     raise
                 raise self._broken(PeerLostError(tag=tag, peer=peer, world_size=self.world_size,
-                                                 detail=f"receiving failed: {_first_line(error)}")) from error
+                                                 detail=f"receiving failed: {first_line(error)}")) from error
             queue.popleft()
         del pending.recvs[peer]
 
@@ -303,19 +300,6 @@ def _tune(connection: socket.socket) -> None:
         connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # latency over batching
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listener.bind((host, port))
-        listener.listen(1024)
-    except OSError:
-        listener.close()
-        raise
-    return listener
-
-
 def _receive_exactly(connection: socket.socket, size: int) -> bytes:
     data = bytearray()
     while len(data) < size:
@@ -324,8 +308,3 @@ def _receive_exactly(connection: socket.socket, size: int) -> bytes:
             raise ConnectionError("the connecting rank closed the connection before saying who it is")
         data += chunk
     return bytes(data)
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
