@@ -267,8 +267,6 @@ class LLMEngine:
             [s.num_computed + count for s, count in zip(sequences, num_new_tokens)],
             [s.block_table for s in sequences],
             self.blocks.block_size,
-            self.config.num_kv_heads,
-            self.config.sliding_window,
         )
         device = self.device
         with torch.inference_mode():

@@ -67,16 +67,9 @@ class AttentionMetadata:
         context_lens: list[int],
         block_tables: list[list[int]],
         block_size: int,
-        num_kv_heads: int | None = None,
-        sliding_window: int | None = None,
     ) -> "AttentionMetadata":
-        """Metadata for sequences whose last ``query_lens[i]`` of ``context_lens[i]`` tokens are new.
-
-        ``num_kv_heads`` and ``sliding_window`` are not needed any more (the backend holds the
-        model's heads and window); they are accepted so callers written for the earlier
-        padded layout keep working.
-        """
-        del num_kv_heads, sliding_window
+        """Metadata for sequences whose last ``query_lens[i]`` of ``context_lens[i]`` tokens are new
+        (heads and sliding windows are the attention backend's, fixed at start-up)."""
         if not len(query_lens) == len(context_lens) == len(block_tables) or not query_lens:
             raise ValueError(
                 f"need one query length, context length and block table per sequence, got "
