@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import ray
 
 from ep_helpers import cluster_config, prompts
 from raymoe.cluster.deploy import deploy
@@ -18,13 +17,6 @@ PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 SKEWED_PLACEMENT = {"strategy": "explicit",
                     "experts": {0: [0, 1, 2, 3], 1: [4, 5, 6, 7], 2: [4, 5, 6, 7], 3: [4, 5, 6, 7]}}
 BALANCER = {"enabled": True, "window_steps": 40, "interval_steps": 4, "threshold": 0.8, "poll_interval_s": 0.2}
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(address="local", num_cpus=4, include_dashboard=False)  # a Ray of our own, never a neighbour's
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -31,13 +31,6 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    ray.init(address="local", num_cpus=4, include_dashboard=False)  # a Ray of our own, never a neighbour's
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_mixtral_dir):
     engine = reference_engine(tiny_mixtral_dir)
     batch = prompts(6)

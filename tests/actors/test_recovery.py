@@ -18,13 +18,6 @@ TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    ray.init(address="local", num_cpus=4, include_dashboard=False)  # a Ray of our own, never a neighbour's
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def expected(tiny_mixtral_dir):
     batch = prompts(100, seed=21)
     return batch, [o.output_token_ids for o in reference_engine(tiny_mixtral_dir).generate(batch, GREEDY)]
