@@ -29,6 +29,7 @@ from raymoe.actors.devices import actor_cuda_device
 from raymoe.engine.ep_exchange import GroupLayout, WorkerExchange
 from raymoe.engine.weights import load_expert_stack
 from raymoe.kernels.comm import CommBackend, make_communicator, new_rendezvous
+from raymoe.kernels import packed_linear
 from raymoe.kernels.comm.base import Communicator
 from raymoe.moe.model_config import load_model_config
 from raymoe.moe.placement import PlacementTable
@@ -39,12 +40,13 @@ LOG = logging.getLogger("raymoe.worker")
 
 class ExpertWorker:
     def __init__(self, worker: int, model_dir: str, dtype: str, device: str, placement: dict[str, Any],
-                 spare_rows: int = 0, threads: int | None = None):
+                 spare_rows: int = 0, threads: int | None = None, packed_experts: bool = True):
         # CPU workers (cluster config `cpu.worker_threads`): torch keeps one thread, and
         # `threads - 1` more run other experts of the same layer meanwhile (the same GEMM calls,
         # so outputs do not depend on the thread count). Torch's own intra-op threads were
         # slower here: an expert's decode GEMM is too small to split well.
         self.threads = threads or 1
+        packed_linear.set_enabled(packed_experts)  # cluster config `cpu.packed_experts` (CPU float32 only)
         self.executor = ThreadPoolExecutor(self.threads - 1, thread_name_prefix=f"worker-{worker}-experts") \
             if self.threads > 1 else None
         self.worker = worker

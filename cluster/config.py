@@ -172,10 +172,14 @@ class CpuSection(_Section):
     expert's GEMMs stay single-threaded calls, so outputs do not depend on it). A router and
     its workers compute one after the other, so a worker could use the cores the routers
     leave idle; measured on 2 cores (1 router x 1 worker, docs/BENCHMARKS.md) it did not pay
-    for itself, hence 1."""
+    for itself, hence 1.
+    ``packed_experts``: workers run float32 experts with oneDNN over a prepacked copy of their
+    weights (kernels/packed_linear.py: ~2x faster at decode sizes here, and row-invariant);
+    the copy costs the experts' size once more in memory; ``false`` uses torch's default GEMM."""
 
     router_threads: Positive = 1
     worker_threads: Positive = 1
+    packed_experts: bool = True  # float32 experts over oneDNN-prepacked weights (kernels/packed_linear.py)
 
 
 class ClusterConfig(_Section):

@@ -233,7 +233,7 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
             max_restarts=-1,  # a crashed worker is restarted; the controller reloads its experts
             name=f"{name}-worker-{w}", namespace=namespace, scheduling_strategy=PlacementGroupSchedulingStrategy(group, w // per_node),
         ).remote(w, config.model, config.dtype.value, "cuda" if gpus else "cpu", placement.to_dict(), spare_rows,
-                 threads[w])
+                 threads[w], config.cpu.packed_experts)
         for w in range(config.expert_workers)
     ]
     router_class = ray.remote(Router)

@@ -9,7 +9,8 @@ weights without a copy.
 
 Two implementations behind one function:
 - a loop over non-empty slots with one fused gate/up GEMM and one down GEMM each (CPU,
-  and any device);
+  and any device; on the CPU in float32 over oneDNN-prepacked weights,
+  kernels/packed_linear.py);
 - ``torch._grouped_mm`` (one kernel for all slots) where torch offers it on CUDA with
   bfloat16 weights and the layout it accepts (every row 16-byte aligned: D and I multiples
   of 8). Which one runs is decided up front from dtype, device and shapes; a failure of
@@ -23,6 +24,8 @@ from concurrent.futures import Executor
 
 import torch
 import torch.nn.functional as F
+
+from raymoe.kernels import packed_linear
 
 
 def grouped_swiglu(
@@ -88,11 +91,16 @@ def _grouped_swiglu_loop(
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             run_jobs(part)
 
+    packed = packed_linear.applies(x, w13)  # CPU float32: oneDNN over prepacked weights
+
     def run_jobs(part: list[tuple[int, int, int]]) -> None:
         for row, begin, end in part:
-            gate_up = F.linear(x[begin:end], w13[row])  # [n, 2I]
+            gate_up = packed_linear.linear_row(x[begin:end], w13, row)  # [n, 2I]
             hidden = F.silu(gate_up[:, :intermediate], inplace=True).mul_(gate_up[:, intermediate:])  # [n, I]
-            torch.mm(hidden, w2[row].t(), out=out[begin:end])  # [n, D], written in place
+            if packed:
+                out[begin:end] = packed_linear.linear_row(hidden, w2, row)  # [n, D]
+            else:
+                torch.mm(hidden, w2[row].t(), out=out[begin:end])  # [n, D], written in place
 
     if executor is None or len(jobs) < 2:
         run(jobs)

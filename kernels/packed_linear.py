@@ -1,0 +1,94 @@
+"""oneDNN-prepacked expert weights for CPU float32 linears at decode sizes.
+
+At decode sizes an expert sees a handful of rows (``M`` = 1-32), and torch's default CPU
+GEMM (MKL's sgemm) runs those shapes far below what the core can do: on the 2-core EPYC of
+docs/BENCHMARKS.md, 32 expert GEMMs of 8 rows x [1024, 256] take 3.9 ms (8.7 GB/s of weights,
+34 GFLOP/s) while a plain read of the same bytes runs at ~44 GB/s. oneDNN's linear over a
+weight reordered once into its blocked layout (what torch's own CPU compiler uses) takes
+1.75 ms for the same work (benchmarks/bench_cpu_floor.py). It is also row-invariant: a row's
+output does not depend on how many other rows share the call (checked for M = 1..300 at the
+bench shapes, and in tests/kernels/test_packed_linear.py), where sgemm's is not, so how a
+placement batches rows on a worker cannot change a bit of the result.
+
+The packed copy costs the expert weights' size once more in memory (float32, CPU workers
+only; `cpu.packed_experts: false` turns it off). Copies are made lazily per stacked expert,
+cached by the stack tensor's identity, and made again when the stack is written in place
+(a migration staging an expert bumps the tensor's version counter); an entry goes when its
+stack does.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+PACK_ROWS_HINT = 16  # the batch size oneDNN's layout is chosen for (decode sizes)
+
+_enabled = True
+_lock = threading.Lock()
+
+
+@dataclass
+class _Packed:
+    version: int
+    data_ptr: int
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+_cache: dict[int, _Packed] = {}  # id(stack) -> its packed rows
+
+
+def set_enabled(enabled: bool) -> None:
+    """Use packed weights where they apply (the default), or torch's default GEMM everywhere."""
+    global _enabled
+    _enabled = bool(enabled)
+    if not _enabled:
+        with _lock:
+            _cache.clear()
+
+
+def available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def applies(x: torch.Tensor, stack: torch.Tensor) -> bool:
+    """Whether ``linear_row(x, stack, row)`` takes the packed path."""
+    return (_enabled and x.device.type == "cpu" and x.dtype == torch.float32 and stack.dtype == torch.float32
+            and stack.device.type == "cpu" and not x.requires_grad and not stack.requires_grad and _AVAILABLE)
+
+
+def linear_row(x: torch.Tensor, stack: torch.Tensor, row: int) -> torch.Tensor:
+    """``x @ stack[row].T`` (``x: [n, in]``, ``stack: [R, out, in]``) -> ``[n, out]``."""
+    if not applies(x, stack):
+        return F.linear(x, stack[row])
+    packed = _packed_row(stack, row)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+
+
+def _packed_row(stack: torch.Tensor, row: int) -> torch.Tensor:
+    key = id(stack)
+    entry = _cache.get(key)
+    version, pointer = stack._version, stack.data_ptr()
+    if entry is None or entry.version != version or entry.data_ptr != pointer:
+        with _lock:
+            entry = _cache.get(key)
+            if entry is None or entry.version != version or entry.data_ptr != pointer:
+                if key not in _cache:
+                    weakref.finalize(stack, _forget, key)
+                entry = _cache[key] = _Packed(version, pointer)
+    packed = entry.rows.get(row)
+    if packed is None:
+        packed = entry.rows[row] = torch.ops.mkldnn._reorder_linear_weight(stack[row].contiguous(), PACK_ROWS_HINT)
+    return packed
+
+
+def _forget(key: int) -> None:
+    with _lock:
+        _cache.pop(key, None)
+
+
+_AVAILABLE = available()
