@@ -40,6 +40,7 @@ from raymoe.kernels.attention import (
 )
 from raymoe.kernels.attention_flashinfer import FlashInferAttention, flashinfer_unsupported
 from raymoe.kernels.norm import rms_norm
+from raymoe.kernels.packed_linear import linear
 from raymoe.kernels.rope import apply_rope, rope_tables
 from raymoe.moe.gating import route
 from raymoe.moe.model_config import AttentionKind, ModelConfig, QKNorm, SharedExpertKind
@@ -85,13 +86,13 @@ class MoEModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, D]`` -> ``[B, V]`` float32."""
-        return F.linear(hidden, self.weights.lm_head).float()
+        return linear(hidden, self.weights.lm_head).float()
 
     # ---- attention -----------------------------------------------------------------
     def _gqa(self, h, w: GQAWeights, cos, sin, cache, slot_mapping, step: AttentionStep) -> torch.Tensor:
         c = self.config
         num_tokens, d = h.shape[0], c.head_dim
-        qkv = F.linear(h, w.qkv, w.qkv_bias)
+        qkv = linear(h, w.qkv, w.qkv_bias)
         q, k, v = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
         if c.qk_norm is QKNorm.FULL:
             q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)
@@ -107,18 +108,18 @@ class MoEModel:
         write_cache(k_cache, k, slot_mapping)
         write_cache(v_cache, v, slot_mapping)
         out = step.attend(q, cache)  # [T, H, d]
-        return F.linear(out.reshape(num_tokens, -1), w.o_proj)
+        return linear(out.reshape(num_tokens, -1), w.o_proj)
 
     def _mla(self, h, w: MLAWeights, cos, sin, cache, slot_mapping, step: AttentionStep) -> torch.Tensor:
         c, mla = self.config, self.config.mla
         num_tokens, heads = h.shape[0], c.num_heads
         if w.q_proj is not None:
-            q = F.linear(h, w.q_proj)
+            q = linear(h, w.q_proj)
         else:
-            q = F.linear(rms_norm(F.linear(h, w.q_a_proj), w.q_a_norm, c.rms_norm_eps), w.q_b_proj)
+            q = linear(rms_norm(linear(h, w.q_a_proj), w.q_a_norm, c.rms_norm_eps), w.q_b_proj)
         q = q.view(num_tokens, heads, mla.qk_head_dim)
         q_nope, q_rot = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        latent, k_rot = F.linear(h, w.kv_a_proj).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        latent, k_rot = linear(h, w.kv_a_proj).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         latent = rms_norm(latent, w.kv_a_norm, c.rms_norm_eps)  # [T, R]
         q_rot = apply_rope(q_rot, cos, sin, mla.rope_interleave)  # [T, H, P]
         k_rot = apply_rope(k_rot.unsqueeze(1), cos, sin, mla.rope_interleave)  # [T, 1, P]
@@ -129,7 +130,7 @@ class MoEModel:
         out = step.attend(torch.cat([q_latent, q_rot], dim=-1), cache)  # [T, H, R]: over the latents
         # Absorb W_UV into the output: per head, out [T, R] @ W_UV^T [R, v].
         out = torch.bmm(out.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
-        return F.linear(out.reshape(num_tokens, -1), w.o_proj)
+        return linear(out.reshape(num_tokens, -1), w.o_proj)
 
     # ---- feed forward --------------------------------------------------------------
     def _feed_forward(self, index: int, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
@@ -152,5 +153,5 @@ class MoEModel:
 
 def _mlp(h: torch.Tensor, w: MLPWeights) -> torch.Tensor:
     inter = w.w2.shape[1]
-    gate_up = F.linear(h, w.w13)
-    return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w.w2)
+    gate_up = linear(h, w.w13)
+    return linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w.w2)

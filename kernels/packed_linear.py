@@ -1,4 +1,4 @@
-"""oneDNN-prepacked expert weights for CPU float32 linears at decode sizes.
+"""oneDNN-prepacked weights for CPU float32 linears at decode sizes (experts and dense layers).
 
 At decode sizes an expert sees a handful of rows (``M`` = 1-32), and torch's default CPU
 GEMM (MKL's sgemm) runs those shapes far below what the core can do: on the 2-core EPYC of
@@ -10,8 +10,9 @@ output does not depend on how many other rows share the call (checked for M = 1.
 bench shapes, and in tests/kernels/test_packed_linear.py), where sgemm's is not, so how a
 placement batches rows on a worker cannot change a bit of the result.
 
-The packed copy costs the expert weights' size once more in memory (float32, CPU workers
-only; `cpu.packed_experts: false` turns it off). Copies are made lazily per stacked expert,
+The packed copy costs the weights' size once more in memory (float32 on CPUs only;
+`cpu.packed_experts: false` turns it off for expert workers; the dense layers of a router or
+the in-process engine use it whenever it applies). Copies are made lazily per stacked expert,
 cached by the stack tensor's identity, and made again when the stack is written in place
 (a migration staging an expert bumps the tensor's version counter); an entry goes when its
 stack does.
@@ -27,6 +28,12 @@ import torch
 import torch.nn.functional as F
 
 PACK_ROWS_HINT = 16  # the batch size oneDNN's layout is chosen for (decode sizes)
+# A dense layer's weight is packed from this size on. Below it oneDNN's fixed cost per call
+# (~15 us) loses to sgemm on weights that stay in cache between steps (the bench model's
+# [512, 256] layers: 22 vs 9 us at one row); a real model's layers and LM heads are far
+# larger ([32000, 256]: 0.72 vs 2.17 ms at one row). Experts are always packed: a worker's
+# experts do not stay in cache from one step to the next.
+DENSE_MIN_BYTES = 4 << 20
 
 _enabled = True
 _lock = threading.Lock()
@@ -36,7 +43,7 @@ _lock = threading.Lock()
 class _Packed:
     version: int
     data_ptr: int
-    rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    rows: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
 _cache: dict[int, _Packed] = {}  # id(stack) -> its packed rows
@@ -57,8 +64,19 @@ def available() -> bool:
 
 def applies(x: torch.Tensor, stack: torch.Tensor) -> bool:
     """Whether ``linear_row(x, stack, row)`` takes the packed path."""
-    return (_enabled and x.device.type == "cpu" and x.dtype == torch.float32 and stack.dtype == torch.float32
+    return (_enabled and x.numel() > 0 and x.device.type == "cpu" and x.dtype == torch.float32 and stack.dtype == torch.float32
             and stack.device.type == "cpu" and not x.requires_grad and not stack.requires_grad and _AVAILABLE)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a ``[out, in]`` weight (a dense layer's), packed once."""
+    if (not applies(x, weight) or (bias is not None and bias.dtype != torch.float32)
+            or weight.numel() * weight.element_size() < DENSE_MIN_BYTES):
+        return F.linear(x, weight, bias)
+    shape = x.shape
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]).contiguous(), _packed_row(weight, None),
+                                             bias, "none", [], "")
+    return out.reshape(*shape[:-1], weight.shape[0])
 
 
 def linear_row(x: torch.Tensor, stack: torch.Tensor, row: int) -> torch.Tensor:
@@ -69,7 +87,8 @@ def linear_row(x: torch.Tensor, stack: torch.Tensor, row: int) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
 
 
-def _packed_row(stack: torch.Tensor, row: int) -> torch.Tensor:
+def _packed_row(stack: torch.Tensor, row: int | None) -> torch.Tensor:
+    """The packed copy of ``stack[row]`` (``row`` None: ``stack`` is the weight itself)."""
     key = id(stack)
     entry = _cache.get(key)
     version, pointer = stack._version, stack.data_ptr()
@@ -82,7 +101,8 @@ def _packed_row(stack: torch.Tensor, row: int) -> torch.Tensor:
                 entry = _cache[key] = _Packed(version, pointer)
     packed = entry.rows.get(row)
     if packed is None:
-        packed = entry.rows[row] = torch.ops.mkldnn._reorder_linear_weight(stack[row].contiguous(), PACK_ROWS_HINT)
+        weight = stack if row is None else stack[row]
+        packed = entry.rows[row] = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
     return packed
 
 

@@ -63,3 +63,17 @@ def test_grouped_swiglu_rows_do_not_depend_on_their_neighbours():
     for row in (0, 7, 20):
         alone = grouped_swiglu(x[row:row + 1], [1, 0], w13, w2)
         assert torch.equal(alone[0], together[row]), row
+
+
+def test_a_large_dense_weight_is_packed_and_a_small_one_is_not():
+    generator = torch.Generator().manual_seed(2)
+    large = torch.randn(packed_linear.DENSE_MIN_BYTES // (4 * 256), 256, generator=generator) / 16  # 4 MiB
+    bias = torch.randn(large.shape[0], generator=generator)
+    x = torch.randn(2, 5, 256, generator=generator)  # any leading shape
+    out = packed_linear.linear(x, large, bias)
+    torch.testing.assert_close(out, F.linear(x, large, bias), rtol=1e-5, atol=1e-4)
+    assert id(large) in packed_linear._cache  # it took the packed path
+    assert torch.equal(packed_linear.linear(x[:1, :2], large, bias), out[:1, :2])  # row-invariant
+    small = torch.randn(64, 256, generator=generator)
+    assert torch.equal(packed_linear.linear(x, small), F.linear(x, small))  # sgemm, exactly
+    assert id(small) not in packed_linear._cache
