@@ -14,6 +14,9 @@ model's shapes (the random Mixtral of bench_vs_vllm: hidden 256, expert intermed
     second pass over a layer's 12.6 MB costs when it comes right after the first (from L3).
     Baseline: one pass of 8 rows per expert; then two passes of 4 rows, layer-interleaved.
     Overlap can only pay if the second pass costs well under the dense part it would hide.
+(4) **The GEMM itself.** The same 32 expert FFNs with torch's default sgemm (baseline) vs
+    oneDNN over prepacked weights (kernels/packed_linear.py, raymoe's default on CPU), and a
+    plain read of the same bytes (``sum``): how far either GEMM is from the memory's speed.
 (3) **Transport round trip.** A small message there and back between two processes: gloo
     send/recv over loopback TCP (what the exchange uses) vs a bare Unix socket pair (what a
     same-node transport could use). Four MoE layers pay it four times a step.
@@ -35,6 +38,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_description  # noqa: E402
+
+from raymoe.kernels import packed_linear  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, LAYERS = 256, 512, 8, 4
 REPEATS = 40
@@ -77,6 +82,7 @@ def threads_and_micro_batches() -> None:
             run_layer(w13[layer], w2[layer], four)
 
     torch.set_num_threads(1)
+    packed_linear.set_enabled(False)  # (1) and (2): torch's default GEMM, as before packing
     base = per_step_ms(one_pass)
     torch.set_num_threads(2)
     threaded = per_step_ms(one_pass)
@@ -87,6 +93,20 @@ def threads_and_micro_batches() -> None:
           f"({megabytes / base:.1f} GB/s), 2 threads {threaded:.2f} ms: ratio {threaded / base:.2f}")
     print(f"(2) the same rows as 2 micro-batches of 4, layer-interleaved: {interleaved:.2f} ms: ratio "
           f"{interleaved / base:.2f} (the second pass over each layer costs {interleaved - base:.2f} ms)")
+    packed_linear.set_enabled(True)
+
+    def one_pass_packed():
+        with torch.inference_mode():
+            for layer in range(LAYERS):
+                for expert in range(EXPERTS):
+                    gate, up = packed_linear.linear_row(eight, w13[layer], expert).chunk(2, dim=-1)
+                    packed_linear.linear_row(F.silu(gate) * up, w2[layer], expert)
+
+    packed = per_step_ms(one_pass_packed)
+    flat = torch.cat([w.reshape(-1) for w in w13 + w2])
+    read = per_step_ms(flat.sum)
+    print(f"(4) the same 32 FFNs with oneDNN over prepacked weights: {packed:.2f} ms: ratio {packed / base:.2f}; "
+          f"a plain read of the {megabytes:.0f} MB takes {read:.2f} ms ({megabytes / read:.0f} GB/s)")
 
 
 def _gloo_peer(rank: int, port: int, size: int, results) -> None:

@@ -72,9 +72,9 @@ def _grouped_swiglu_loop(
 
     With an ``executor`` the slots are split in two runs of about equal rows, one run on the
     executor's thread while this thread does the other. At decode sizes an expert's GEMMs
-    are memory-bound matrix-vector work that torch runs on one thread however many it has,
-    so two threads reading different experts' weights is what uses a second core (measured
-    on 2 CPU cores, 8 experts: 1 row each 3.7 -> 2.1 ms per 4 layers).
+    are small-row work that torch runs on one thread however many it has, so two threads on
+    different experts are what uses a second core (measured on 2 CPU cores, 8 experts, sgemm:
+    1 row each 3.7 -> 2.1 ms per 4 layers).
     """
     out = torch.empty_like(x)
     intermediate = w2.shape[2]
