@@ -34,17 +34,22 @@ class CommBackend(enum.Enum):
 
 
 @dataclass(frozen=True)
-class GlooRendezvous:
+class StoreRendezvous:
+    """The CPU transports' rendezvous (kernels/comm/store.py); the subclass names the backend."""
+
     host: str  # where rank 0 serves the rendezvous store (that address only)
     port: int
     group_name: str = "raymoe"  # with the secret appended by new_rendezvous: keys live under it
 
 
 @dataclass(frozen=True)
-class SocketRendezvous:
-    host: str  # where rank 0 serves the rendezvous store (that address only)
-    port: int
-    group_name: str = "raymoe"  # with the secret appended by new_rendezvous: keys live under it
+class GlooRendezvous(StoreRendezvous):
+    pass
+
+
+@dataclass(frozen=True)
+class SocketRendezvous(StoreRendezvous):
+    pass
 
 
 @dataclass(frozen=True)

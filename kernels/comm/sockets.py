@@ -37,7 +37,7 @@ import torch
 import torch.distributed as distributed
 
 from raymoe.kernels.comm.base import Deadline, validate_group, validate_timeout
-from raymoe.kernels.comm.errors import CollectiveTimeout, CommClosedError, CommError, PeerLostError
+from raymoe.kernels.comm.errors import RECOVERY_HINT, CollectiveTimeout, CommClosedError, CommError, PeerLostError
 from raymoe.kernels.comm.p2p import Message, PointToPointCommunicator
 from raymoe.kernels.comm.store import first_line, listen, open_store
 
@@ -48,8 +48,7 @@ POLL_SLICE_S = 0.5  # a wait re-checks the communicator's state at least this of
 
 @dataclass
 class _Outgoing:
-    peer: int
-    views: list[memoryview]  # header, then the bytes
+    views: list[memoryview]  # what is left to write: the header, then the bytes
 
 
 @dataclass
@@ -151,7 +150,7 @@ class SocketCommunicator(PointToPointCommunicator):
         for message in sends:
             header = memoryview(HEADER.pack(message.number, message.buffer.numel()))
             views = [header, _view(message.buffer)] if message.buffer.numel() else [header]
-            pending.sends.setdefault(message.peer, deque()).append(_Outgoing(message.peer, views))
+            pending.sends.setdefault(message.peer, deque()).append(_Outgoing(views))
         for peer in list(pending.sends):  # most messages fit the socket buffer: out right away
             self._write(pending, peer, tag)
         return pending
@@ -204,8 +203,7 @@ class SocketCommunicator(PointToPointCommunicator):
             except BlockingIOError:
                 return
             except OSError as error:
-                raise self._broken(PeerLostError(tag=tag, peer=peer, world_size=self.world_size,
-                                                 detail=f"sending failed: {first_line(error)}")) from error
+                raise self._lost(peer, tag, f"sending failed: {first_line(error)}") from error
             while sent:
                 view = outgoing.views[0]
                 if sent >= len(view):
@@ -244,11 +242,8 @@ class SocketCommunicator(PointToPointCommunicator):
                         continue  # read on while the socket has bytes
             except BlockingIOError:
                 return
-            except (ConnectionError, OSError) as error:
-                if isinstance(error, CommError):
-                    raise
-                raise self._broken(PeerLostError(tag=tag, peer=peer, world_size=self.world_size,
-                                                 detail=f"receiving failed: {first_line(error)}")) from error
+            except OSError as error:
+                raise self._lost(peer, tag, f"receiving failed: {first_line(error)}") from error
             queue.popleft()
         del pending.recvs[peer]
 
@@ -260,12 +255,12 @@ class SocketCommunicator(PointToPointCommunicator):
             raise self._broken(CommError(
                 f"collective {tag!r}: rank {message.peer} (of {self.world_size}) sent message {number} of "
                 f"{size} bytes where this rank expects message {message.number} of {expected} bytes; the ranks "
-                f"called collectives in different orders. Rebuild the communicator (abort(), then create a new one)"
+                f"called collectives in different orders. {RECOVERY_HINT}"
             ))
 
-    def _lost(self, peer: int, tag: str) -> CommError:
-        return self._broken(PeerLostError(tag=tag, peer=peer, world_size=self.world_size,
-                                          detail="the connection was closed (the peer process most likely died)"))
+    def _lost(self, peer: int, tag: str,
+              detail: str = "the connection was closed (the peer process most likely died)") -> CommError:
+        return self._broken(PeerLostError(tag=tag, peer=peer, world_size=self.world_size, detail=detail))
 
     def _teardown(self, abort: bool) -> None:
         try:

@@ -10,13 +10,17 @@ One group of processes per world size runs the whole table (spawning is the slow
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
+import socket
+import threading
 import time
 import zlib
 
 import pytest
 import torch
+from torch import distributed
 
 from comm_harness import free_port, run_ranks, values
 from raymoe.kernels.comm import (
@@ -303,8 +307,6 @@ def test_large_messages_both_ways_at_once(transport):
 def abort_while_waiting(rank: int, world_size: int, port: int) -> dict:
     """Rank program: rank 0 waits for a message rank 1 never sends; another thread aborts
     rank 0's communicator: the wait must end at once, well before the deadline."""
-    import threading
-
     comm = SocketCommunicator.create(rank, world_size, HOST, port, 30.0, group_name="abort")
     comm.barrier(tag="warm up")
     if rank == 1:
@@ -326,9 +328,6 @@ def test_sockets_abort_from_another_thread_wakes_a_waiting_collective():
 
 
 def test_sockets_refuse_a_connection_that_does_not_know_the_group():
-    import socket
-    import threading
-
     port = free_port()
     outcome: dict = {}
 
@@ -340,9 +339,6 @@ def test_sockets_refuse_a_connection_that_does_not_know_the_group():
 
     joiner = threading.Thread(target=rank0)
     joiner.start()
-    from torch import distributed
-    import datetime
-
     store = distributed.TCPStore(HOST, port, 2, False, timeout=datetime.timedelta(seconds=5))
     keys = distributed.PrefixStore("secret/abc", store)
     keys.wait(["address/0"], datetime.timedelta(seconds=5))
