@@ -40,7 +40,7 @@ import numpy as np
 import yaml
 
 from raymoe.cluster.config_errors import ConfigError, describe_validation_error
-from raymoe.engine.scheduler import DEFAULT_PREFILL_STEP_SLOWDOWN
+from raymoe.engine.prefill_pacer import DEFAULT_PREFILL_STEP_SLOWDOWN
 from raymoe.kernels.comm.factory import CommBackend
 from raymoe.moe.balancer import BalancerAlgorithm
 from raymoe.moe.capacity import OverflowPolicy

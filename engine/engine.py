@@ -24,10 +24,10 @@ from raymoe.engine.checkpoint import Checkpoint
 from raymoe.engine.experts import ExpertBackend, LocalExperts
 from raymoe.engine.kv_cache import KVCache
 from raymoe.engine.model import MoEModel
+from raymoe.engine.prefill_pacer import PrefillPacer
 from raymoe.engine.prefix_cache import PrefixCache, PrefixCacheStats, root_key
 from raymoe.engine.sampler import sample
 from raymoe.engine.sampling_params import SamplingParams
-from raymoe.engine.prefill_pacer import PrefillPacer
 from raymoe.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from raymoe.engine.sequence import FinishReason, Sequence
 from raymoe.engine.structured_output import GrammarCompiler
@@ -213,7 +213,7 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
-        batch = self.scheduler.schedule(self.pacer.prefill_allowance() if self.pacer.enabled else None)
+        batch = self.scheduler.schedule(self.pacer.prefill_allowance())
         if batch is None:
             return []
         outputs = self._step(batch)

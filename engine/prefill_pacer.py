@@ -19,6 +19,9 @@ steps and asks before each schedule.
 
 from __future__ import annotations
 
+# A step that computes prompt chunks while others decode aims at 2x a decode-only step: the
+# running streams' inter-token latency at most doubles while a long prompt prefills.
+DEFAULT_PREFILL_STEP_SLOWDOWN = 2.0
 # Fewest prompt tokens a step computes while sequences decode: prompts always progress, and
 # prompts of up to this many tokens are never split by pacing.
 MIN_PREFILL_CHUNK = 32
@@ -27,10 +30,15 @@ OUTLIER = 4.0  # an observation counts at most this many times the current avera
 # a recovery or a compile must not set the pace for many steps after)
 
 
+def check_slowdown(slowdown: float) -> None:
+    """A slowdown is a factor > 1 (a paced step may take that many decode-only steps) or 0 (off)."""
+    if slowdown != 0 and not slowdown > 1:
+        raise ValueError(f"prefill_step_slowdown must be > 1 (or 0: off), got {slowdown}")
+
+
 class PrefillPacer:
     def __init__(self, slowdown: float, token_budget: int, min_chunk: int = MIN_PREFILL_CHUNK):
-        if slowdown != 0 and slowdown <= 1:
-            raise ValueError(f"prefill_step_slowdown must be > 1 (or 0: off), got {slowdown}")
+        check_slowdown(slowdown)
         self.slowdown = slowdown
         self.token_budget = token_budget
         self.min_chunk = min(min_chunk, token_budget)

@@ -27,14 +27,12 @@ from dataclasses import dataclass
 
 from raymoe.engine.block_manager import BlockManager
 from raymoe.engine.latency_histogram import LatencyHistogram
+from raymoe.engine.prefill_pacer import DEFAULT_PREFILL_STEP_SLOWDOWN, check_slowdown
 from raymoe.engine.sequence import Sequence, SequenceStatus
 
 # Tokens per step when the config leaves it open: small on a CPU, where a step's time grows
 # with its tokens from a few hundred on; larger on a GPU, where it stays flat much longer.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
-# A step that computes prompt chunks while others decode aims at 2x a decode-only step: the
-# running streams' inter-token latency at most doubles while a long prompt prefills.
-DEFAULT_PREFILL_STEP_SLOWDOWN = 2.0
 
 
 @dataclass(frozen=True)
@@ -46,8 +44,7 @@ class SchedulerConfig:
     prefill_step_slowdown: float = DEFAULT_PREFILL_STEP_SLOWDOWN
 
     def __post_init__(self) -> None:
-        if self.prefill_step_slowdown != 0 and not self.prefill_step_slowdown > 1:
-            raise ValueError(f"prefill_step_slowdown must be > 1 (or 0: off), got {self.prefill_step_slowdown}")
+        check_slowdown(self.prefill_step_slowdown)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
