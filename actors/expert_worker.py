@@ -28,8 +28,8 @@ from raymoe.engine.engine import resolve_dtype
 from raymoe.actors.devices import actor_cuda_device
 from raymoe.engine.ep_exchange import GroupLayout, WorkerExchange
 from raymoe.engine.weights import load_expert_stack
-from raymoe.kernels.comm import CommBackend, make_communicator, new_rendezvous
 from raymoe.kernels import packed_linear
+from raymoe.kernels.comm import CommBackend, make_communicator, new_rendezvous
 from raymoe.kernels.comm.base import Communicator
 from raymoe.moe.model_config import load_model_config
 from raymoe.moe.placement import PlacementTable

@@ -236,9 +236,9 @@ class OpenAIIngress:
                 first = await events.__anext__()
             except StopAsyncIteration:
                 first = None
-            if isinstance(first, RequestError):
+            if isinstance(first, StepFailure):  # refused before any event (a 400)
                 await events.aclose()
-                return error_response(first)
+                return self._failure_response(first)
             return StreamingResponse(_prepend(first, events), media_type="text/event-stream",
                                      headers={REPLICA_HEADER: self.replica})
         status = 500
@@ -482,7 +482,7 @@ class OpenAIIngress:
             self.in_flight[router] -= 1
 
     async def _sse(self, prepared: PreparedRequest, request_id: str, arrived: float,
-                   label: str) -> AsyncIterator[str | RequestError]:
+                   label: str) -> AsyncIterator[str | StepFailure]:
         """Server-sent events: an echo chunk per choice first (when asked), then each
         sequence's pieces as they come, tagged with its choice index, then usage and [DONE]."""
         chat = prepared.endpoint is Endpoint.CHAT
@@ -524,7 +524,7 @@ class OpenAIIngress:
                     yield self._event(self._chunk(request_id, chat, [choices[index].update(output)]))
             if failure is not None and failure.status == 400 and not sent_any:
                 status = 400  # refused before any event: _serve answers it as a 400 response
-                yield RequestError(failure.public)
+                yield failure
                 return
             if failure is not None:
                 status = failure.status
