@@ -405,7 +405,7 @@ class Router:
                         self.abort(request_id)
 
     def _subscriber_queue(self, subscriber: str) -> queue.Queue:
-        with self._lock:
+        with self._wake:  # not the engine lock: a submit must not wait for a step to end
             return self._subscribers.setdefault(subscriber, queue.Queue())
 
     def _forget(self, request_id: str) -> None:
