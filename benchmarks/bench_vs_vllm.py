@@ -29,6 +29,11 @@ re-measured against the last vLLM run.
     python benchmarks/bench_vs_vllm.py                       # vLLM, raymoe 1x1 and 2x4
     python benchmarks/bench_vs_vllm.py --num-prompts 16      # a quick check
     python benchmarks/bench_vs_vllm.py --raymoe-only 1x1     # raymoe 1x1 vs the last vLLM run
+    python benchmarks/bench_vs_vllm.py --rounds 3            # every server 3 times, in turn
+
+With ``--rounds N`` the servers take turns N times and every ratio is taken within a round,
+then its median over the rounds is reported with the per-round values: on a shared machine
+whose speed drifts (this one's did by 1.5x within minutes) that compares like with like.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import socket
 import subprocess
 import sys
@@ -320,34 +326,45 @@ def run_raymoe(spec: str, args: argparse.Namespace, checkpoint: str, work: str) 
 
 # --- report -------------------------------------------------------------------------------
 
-def find(rows: list[dict[str, Any]], server: str, concurrency: int, metric: str) -> float | None:
-    for row in rows:
-        if row["server"] == server and row["concurrency"] == concurrency and row.get(metric) is not None:
-            return float(row[metric])
-    return None
+def find(rows: list[dict[str, Any]], server: str, concurrency: int, metric: str,
+         round_: int | None = None) -> float | None:
+    """The metric of ``server`` at ``concurrency`` in round ``round_`` (a reused row matches every
+    round); without a round, the median over the rounds."""
+    values = [float(row[metric]) for row in rows
+              if row["server"] == server and row["concurrency"] == concurrency and row.get(metric) is not None
+              and (round_ is None or row.get("round") in (round_, None))]
+    return statistics.median(values) if values else None
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each target ratio per round (both sides measured in the same round, minutes apart, so a
+    machine whose speed drifts weighs on both alike), then the median over the rounds."""
+    rounds = sorted({row["round"] for row in rows if row.get("round") is not None}) or [None]
     out = []
     for name, num, den, op, target in RATIOS:
-        a, b = find(rows, *num), find(rows, *den)
-        value = a / b if a is not None and b else None
+        per_round, bursts = [], False
+        for round_ in rounds:
+            a, b = find(rows, *num, round_), find(rows, *den, round_)
+            if a is not None and b:
+                per_round.append(a / b)
+            bursts |= num[2] == "itl_p50_ms" and any(x is not None and x < BURST_ITL_MS for x in (a, b))
+        value = statistics.median(per_round) if per_round else None
         met = None if value is None or op is None else (value >= target if op == ">=" else value <= target)
         note = None
-        if num[2] == "itl_p50_ms" and any(x is not None and x < BURST_ITL_MS for x in (a, b)):
+        if bursts:
             note = (f"an ITL P50 < {BURST_ITL_MS} ms: that server's tokens arrived in bursts, so this ratio "
                     "is not meaningful; see the E2E latency ratio")
-        out.append({"name": name, "value": value, "target": None if op is None else f"{op} {target}", "met": met,
-                    "note": note})
+        out.append({"name": name, "value": value, "per_round": per_round,
+                    "target": None if op is None else f"{op} {target}", "met": met, "note": note})
     return out
 
 
 def print_table(rows: list[dict[str, Any]], ratio_rows: list[dict[str, Any]]) -> None:
-    print(f"{'server':<14} {'C':>3} {'done':>5} {'output tok/s':>13} {'ITL P50 ms':>11} {'TTFT P50 ms':>12}"
+    print(f"{'server':<14} {'round':>5} {'C':>3} {'done':>5} {'output tok/s':>13} {'ITL P50 ms':>11} {'TTFT P50 ms':>12}"
           f" {'ITL P99 ms':>11} {'TTFT P99 ms':>12} {'E2EL P50 ms':>12}")
     for row in rows:
         note = "  (reused)" if row.get("reused") else ""
-        print(f"{row['server']:<14} {row['concurrency']:>3} {row['completed']:>5} {row['output_tok_s']:>13.1f} "
+        print(f"{row['server']:<14} {row.get('round', '-'):>5} {row['concurrency']:>3} {row['completed']:>5} {row['output_tok_s']:>13.1f} "
               f"{row['itl_p50_ms']:>11.2f} {row['ttft_p50_ms']:>12.1f} {row['itl_p99_ms']:>11.1f} "
               f"{row['ttft_p99_ms']:>12.1f} {row.get('e2el_p50_ms') or float('nan'):>12.1f}{note}")
     print()
@@ -355,7 +372,10 @@ def print_table(rows: list[dict[str, Any]], ratio_rows: list[dict[str, Any]]) ->
         value = "n/a (not measured)" if ratio["value"] is None else f"{ratio['value']:.2f}"
         verdict = "" if ratio["met"] is None else ("  met" if ratio["met"] else "  NOT met")
         target = f"  (target {ratio['target']})" if ratio["target"] else "  (no target)"
-        print(f"{ratio['name']:<46} {value:>8}{target}{verdict}")
+        spread = ""
+        if len(ratio.get("per_round") or []) > 1:
+            spread = f"  (median of {len(ratio['per_round'])} rounds: {', '.join(f'{v:.2f}' for v in ratio['per_round'])})"
+        print(f"{ratio['name']:<46} {value:>8}{target}{verdict}{spread}")
         if ratio["note"]:
             print(f"    note: {ratio['note']}")
 
@@ -414,6 +434,7 @@ def previous_vllm_rows(path: str) -> list[dict[str, Any]]:
     rows = [row for row in previous.get("rows", []) if row.get("server") == VLLM]
     for row in rows:
         row["reused"] = True
+        row.pop("round", None)  # a reused row stands in every round of this run
         row.setdefault("measured_at", previous.get("finished_at"))
     return rows
 
@@ -445,6 +466,9 @@ def main() -> None:
                         help="interpreter that runs `raymoe serve` (e.g. a virtualenv with another raymoe checkout)")
     parser.add_argument("--out", default=DEFAULT_OUT, help="results JSON; the chart goes beside it (.png)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the servers' and clients' logs")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every server this many times, in turn; ratios are taken within a round and "
+                             "their median reported (this machine's speed drifts by tens of percent)")
     args = parser.parse_args()
     # SIGTERM unwinds like Ctrl-C, so that the finally blocks stop every server started here.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -464,12 +488,13 @@ def main() -> None:
     try:
         runs = ([] if args.skip_vllm else [(VLLM, lambda: run_vllm(args, checkpoint, work))]) + [
             (spec, lambda spec=spec: run_raymoe(spec, args, checkpoint, work)) for spec in args.configs]
-        for name, run in runs:
-            try:
-                rows.extend(run())
-            except (RuntimeError, OSError, ValueError) as error:  # one server failing does not lose the others' rows
-                log(f"{name}: FAILED: {error}")
-                errors.append(f"{name}: {error}")
+        for round_ in range(args.rounds):
+            for name, run in runs:
+                try:
+                    rows.extend(dict(row, round=round_) for row in run())
+                except (RuntimeError, OSError, ValueError) as error:  # one failing does not lose the others' rows
+                    log(f"{name} (round {round_}): FAILED: {error}")
+                    errors.append(f"{name} (round {round_}): {error}")
     finally:
         if args.keep_logs or errors:
             log(f"logs kept in {work}")
@@ -490,7 +515,7 @@ def main() -> None:
         "checkpoint": checkpoint_summary(checkpoint),
         "vllm_version": tool_version([vllm_bin, "--version"]),
         "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-                     "concurrency": args.concurrency, "seed": args.seed, "temperature": args.temperature, "client": "vllm bench serve --backend openai"},
+                     "concurrency": args.concurrency, "rounds": args.rounds, "seed": args.seed, "temperature": args.temperature, "client": "vllm bench serve --backend openai"},
         "configs": args.configs, "raymoe_python": args.raymoe_python, "rows": rows, "ratios": ratio_rows, "errors": errors,
     }
     with open(args.out, "w") as handle:
