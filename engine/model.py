@@ -41,7 +41,7 @@ from raymoe.kernels.attention import (
 from raymoe.kernels.attention_flashinfer import FlashInferAttention, flashinfer_unsupported
 from raymoe.kernels.norm import rms_norm
 from raymoe.kernels.packed_linear import linear
-from raymoe.kernels.rope import apply_rope, rope_tables
+from raymoe.kernels.rope import apply_rope, rope_rows, rope_tables
 from raymoe.moe.gating import route
 from raymoe.moe.model_config import AttentionKind, ModelConfig, QKNorm, SharedExpertKind
 
@@ -74,7 +74,8 @@ class MoEModel:
         """``input_ids, positions: [T]`` -> final hidden states ``[T, D]`` (after the last norm)."""
         config = self.config
         x = self.weights.embed.index_select(0, input_ids)  # [T, D]
-        cos, sin = self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
+        interleaved = config.attention is AttentionKind.MLA and config.mla.rope_interleave
+        cos, sin = rope_rows(self.rope_cos, self.rope_sin, positions, x.dtype, interleaved)  # [T, 1, R]
         step = self.attention.plan(metadata, cache.block_size)
         for index, layer in enumerate(self.weights.layers):
             h = rms_norm(x, layer.input_norm, config.rms_norm_eps)
@@ -93,6 +94,11 @@ class MoEModel:
         c = self.config
         num_tokens, d = h.shape[0], c.head_dim
         qkv = linear(h, w.qkv, w.qkv_bias)
+        if c.qk_norm is QKNorm.NONE and c.clip_qkv is None:  # q and k side by side: rotated in one go
+            qk = apply_rope(qkv[:, :(c.num_heads + c.num_kv_heads) * d].view(num_tokens, -1, d), cos, sin, False)
+            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]  # [T, H, d], [T, Hkv, d]
+            v = qkv[:, (c.num_heads + c.num_kv_heads) * d:].reshape(num_tokens, c.num_kv_heads, d)
+            return self._attend(q, k, v, w, cache, slot_mapping, step)
         q, k, v = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
         if c.qk_norm is QKNorm.FULL:
             q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)
@@ -104,11 +110,15 @@ class MoEModel:
         if c.qk_norm is QKNorm.PER_HEAD:
             q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)
         q, k = apply_rope(q, cos, sin, False), apply_rope(k, cos, sin, False)
+        return self._attend(q, k, v, w, cache, slot_mapping, step)
+
+    @staticmethod
+    def _attend(q, k, v, w: GQAWeights, cache, slot_mapping, step: AttentionStep) -> torch.Tensor:
         k_cache, v_cache = cache
         write_cache(k_cache, k, slot_mapping)
         write_cache(v_cache, v, slot_mapping)
         out = step.attend(q, cache)  # [T, H, d]
-        return linear(out.reshape(num_tokens, -1), w.o_proj)
+        return linear(out.reshape(q.shape[0], -1), w.o_proj)
 
     def _mla(self, h, w: MLAWeights, cos, sin, cache, slot_mapping, step: AttentionStep) -> torch.Tensor:
         c, mla = self.config, self.config.mla

@@ -28,17 +28,29 @@ def rope_tables(config: RopeConfig, max_positions: int) -> tuple[torch.Tensor, t
     return emb.cos() * attention_factor, emb.sin() * attention_factor
 
 
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+              interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's rows of the tables, ready for :func:`apply_rope`: ``[T, 1, R]`` each in ``dtype``.
+
+    For the ``rotate_half`` layout the sine's first half comes negated, which turns
+    ``rotate_half(x) * sin`` into ``roll(x, R/2) * sin`` (a sign flip is exact: same bits).
+    """
+    cos = cos.index_select(0, positions).to(dtype).unsqueeze(1)
+    sin = sin.index_select(0, positions).to(dtype).unsqueeze(1)
+    if not interleaved:
+        half = sin.shape[-1] // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return cos, sin
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotate ``x: [T, H, R]`` by ``cos, sin: [T, R]`` (rows already gathered by position)."""
-    cos = cos.to(x.dtype).unsqueeze(1)  # [T, 1, R]
-    sin = sin.to(x.dtype).unsqueeze(1)
+    """Rotate ``x: [T, H, R]`` by ``cos, sin: [T, 1, R]`` from :func:`rope_rows` (same ``interleaved``)."""
     half = x.shape[-1] // 2
     if interleaved:
         cos, sin = cos[..., :half], sin[..., :half]
         even, odd = x[..., 0::2], x[..., 1::2]
         return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + x.roll(half, -1) * sin  # x * cos + rotate_half(x) * sin
 
 
 def _inv_freq(config: RopeConfig) -> tuple[torch.Tensor, float]:
