@@ -25,6 +25,7 @@ import torch
 
 from raymoe.engine.checkpoint import Checkpoint
 from raymoe.engine.engine import resolve_dtype
+from raymoe.actors.cpu_affinity import pin_current_thread
 from raymoe.actors.devices import actor_cuda_device
 from raymoe.engine.ep_exchange import GroupLayout, WorkerExchange
 from raymoe.engine.weights import load_expert_stack
@@ -40,7 +41,8 @@ LOG = logging.getLogger("raymoe.worker")
 
 class ExpertWorker:
     def __init__(self, worker: int, model_dir: str, dtype: str, device: str, placement: dict[str, Any],
-                 spare_rows: int = 0, threads: int | None = None, packed_experts: bool = True):
+                 spare_rows: int = 0, threads: int | None = None, packed_experts: bool = True,
+                 pin_core: int | None = None):
         # CPU workers (cluster config `cpu.worker_threads`): torch keeps one thread, and
         # `threads - 1` more run other experts of the same layer meanwhile (the same GEMM calls,
         # so outputs do not depend on the thread count). Torch's own intra-op threads were
@@ -50,6 +52,8 @@ class ExpertWorker:
         self.executor = ThreadPoolExecutor(self.threads - 1, thread_name_prefix=f"worker-{worker}-experts") \
             if self.threads > 1 else None
         self.worker = worker
+        self.pin_core = pin_core  # the core index the serving thread pins itself to (actors/cpu_affinity.py)
+        self.pinned_core: int | None = None  # the core it took
         self.model_dir = model_dir
         self.spare_rows = spare_rows
         self.config = load_model_config(model_dir)
@@ -104,6 +108,7 @@ class ExpertWorker:
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "compute_threads": self.threads,
+            "pinned_core": self.pinned_core,
             "niceness": os.nice(0),
             "epochs": sorted(self.slot_rows),
             "experts": self.experts[latest],
@@ -136,6 +141,8 @@ class ExpertWorker:
     def _serve_loop(self, exchange: WorkerExchange) -> None:
         """Serve group steps until this exchange is replaced or fails. Each step: every MoE
         layer in order; the first layer's header may instead be an idle tick."""
+        if self.pin_core is not None:
+            self.pinned_core = pin_current_thread(self.pin_core)
         try:
             with torch.inference_mode():
                 while self.exchange is exchange:

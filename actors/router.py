@@ -23,6 +23,7 @@ import ray
 import torch
 
 from raymoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
+from raymoe.actors.cpu_affinity import pin_current_thread
 from raymoe.actors.devices import actor_cuda_device
 from raymoe.engine.ep_exchange import GroupLayout, RouterExchange
 from raymoe.engine.prompt_logprobs import PromptLogprobs, prompt_logprobs
@@ -98,10 +99,13 @@ class Router:
         router_index: int = 0,
         num_routers: int = 1,
         threads: int | None = None,
+        pin_core: int | None = None,
     ):
         if threads:  # CPU routers: intra-op threads of the dense part (cluster config `cpu`)
             torch.set_num_threads(threads)
         self.router_id = router_id
+        self.pin_core = pin_core  # the core index the step thread pins itself to (actors/cpu_affinity.py)
+        self.pinned_core: int | None = None  # the core it took
         self.router_index = router_index
         self.num_routers = num_routers
         self.workers = workers
@@ -204,6 +208,8 @@ class Router:
         and every ``TICK_ROUNDS`` idle rounds they tell the workers so (an idle tick), which
         keeps the workers' deadline for the next step from expiring in a quiet deployment.
         """
+        if self.pin_core is not None:
+            self.pinned_core = pin_current_thread(self.pin_core)
         while True:
             with self._wake:
                 if self._stopped:
@@ -458,6 +464,7 @@ class Router:
     def info(self) -> dict[str, Any]:
         return {"router": self.router_id, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "threads": threading.active_count(), "compute_threads": torch.get_num_threads(),
+                "pinned_core": self.pinned_core,
                 "niceness": os.nice(0),
                 "recoveries": self.recoveries, "comm_generation": self.comm_generation,
                 "last_failure": self.last_failure}

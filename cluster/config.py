@@ -175,11 +175,16 @@ class CpuSection(_Section):
     for itself, hence 1.
     ``packed_experts``: workers run float32 experts with oneDNN over a prepacked copy of their
     weights (kernels/packed_linear.py: ~2x faster at decode sizes here, and row-invariant);
-    the copy costs the experts' size once more in memory; ``false`` uses torch's default GEMM."""
+    the copy costs the experts' size once more in memory; ``false`` uses torch's default GEMM.
+    ``pin_threads``: router ``r``'s step thread and worker ``w``'s serving thread are pinned to
+    the ``r``-th and ``w``-th core (actors/cpu_affinity.py): a router and the worker it takes
+    turns with share a core, so their hand-offs are same-core wake-ups; only for actors that
+    compute on one thread (``router_threads`` / ``worker_threads`` 1)."""
 
     router_threads: Positive = 1
     worker_threads: Positive = 1
     packed_experts: bool = True  # float32 experts over oneDNN-prepacked weights (kernels/packed_linear.py)
+    pin_threads: bool = True  # compute threads pinned so a router and a worker share a core (actors/cpu_affinity.py)
 
 
 class ClusterConfig(_Section):

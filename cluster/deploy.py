@@ -170,6 +170,11 @@ def _wait_loaded(workers: list[Any], routers: list[Any], timeout_s: float) -> No
         print(f"raymoe: {name} loaded ({total - len(pending)}/{total})", file=sys.stderr, flush=True)
 
 
+def _pin_core(config: ClusterConfig, gpus: bool, threads: int, index: int) -> int | None:
+    """The core index an actor's compute thread pins itself to (actors/cpu_affinity.py), or None."""
+    return index if not gpus and config.cpu.pin_threads and threads == 1 else None
+
+
 def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float = 120.0,
            namespace: str = NAMESPACE, load_timeout_s: float = 3600.0) -> Deployment:
     """Start the actors a config describes on the connected Ray cluster.
@@ -233,7 +238,7 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
             max_restarts=-1,  # a crashed worker is restarted; the controller reloads its experts
             name=f"{name}-worker-{w}", namespace=namespace, scheduling_strategy=PlacementGroupSchedulingStrategy(group, w // per_node),
         ).remote(w, config.model, config.dtype.value, "cuda" if gpus else "cpu", placement.to_dict(), spare_rows,
-                 threads[w], config.cpu.packed_experts)
+                 threads[w], config.cpu.packed_experts, _pin_core(config, gpus, config.cpu.worker_threads, w))
         for w in range(config.expert_workers)
     ]
     router_class = ray.remote(Router)
@@ -246,7 +251,7 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
             name=f"{name}-router-{r}", namespace=namespace,
         ).remote(f"router-{r}", config.model, engine_config(config), placement.to_dict(), workers,
                  backend.value, config.comm.timeout_s, r, config.routers,
-                 None if gpus else config.cpu.router_threads)
+                 None if gpus else config.cpu.router_threads, _pin_core(config, gpus, config.cpu.router_threads, r))
         for r in range(config.routers)
     ]
     # Step 5: every worker has loaded its experts (that can take long: no group deadline

@@ -17,7 +17,8 @@ from timing import deadline_margin_s
 
 CASES = {
     # strategy, redundant slots, expert workers, routers
-    "contiguous-2w-1r": dict(placement={"strategy": "contiguous"}, expert_workers=2, routers=1),
+    "contiguous-2w-1r-unpinned": dict(placement={"strategy": "contiguous"}, expert_workers=2, routers=1,
+                                      cpu={"pin_threads": False}),
     "round_robin-3w-2r-redundant": dict(
         placement={"strategy": "round_robin", "redundant_slots_per_worker": 1}, expert_workers=3, routers=2),
     "explicit-4w-2r-redundant": dict(
@@ -61,6 +62,14 @@ def test_outputs_equal_the_in_process_engine(case, ray_session, reference, tiny_
         threads = CASES[case].get("cpu", {}).get("worker_threads", 1)
         assert [i["compute_threads"] for i in infos] == [threads] * workers
         assert {ray.get(r.info.remote())["compute_threads"] for r in deployment.routers} == {1}
+        # cpu.pin_threads (default on): router r's step thread and worker w's serving thread sit
+        # on the r-th and w-th core; not where pinning is off, nor on a worker with 2 threads.
+        cores = sorted(os.sched_getaffinity(0))
+        pinned = CASES[case].get("cpu", {}).get("pin_threads", True)
+        assert [i["pinned_core"] for i in infos] == [
+            cores[w % len(cores)] if pinned and threads == 1 else None for w in range(workers)]
+        assert [ray.get(r.info.remote())["pinned_core"] for r in deployment.routers] == [
+            cores[r % len(cores)] if pinned else None for r in range(len(deployment.routers))]
         # Replicas share their expert's tokens: every replica slot of a replicated expert served.
         slot_tokens = torch.tensor([t["slot_tokens"] for t in telemetry]).sum(0)  # [L, P]
         placement = deployment.placement
