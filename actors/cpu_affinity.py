@@ -5,8 +5,9 @@ experts, then dense part again, four times a step here), so a core can host a ro
 thread and a worker's serving thread without taking any parallelism away. What sharing buys
 is the hand-off: waking a thread that sleeps on the same core costs a few microseconds,
 waking one on another core costs an inter-processor interrupt, which on a virtual machine
-is far dearer (measured on this 2-vCPU guest: a pipe round trip 6 us on one core, 65-76 us
-across two; benchmarks/bench_cpu_floor.py). Router ``r`` takes the ``r``-th core its process
+is far dearer, and dearer still when the host is busy (measured on this 2-vCPU guest, a
+round trip between two processes: 6 us on one core vs 65-76 us across two at a quiet moment,
+38 us vs 1,549 us at a busy one; benchmarks/bench_cpu_floor.py (5)). Router ``r`` takes the ``r``-th core its process
 may use, worker ``w`` the ``w``-th (modulo their number), so one router and one worker share
 core 0, and with more routers and workers both kinds spread over the cores alike.
 

@@ -1,7 +1,7 @@
 """What this CPU allows a 1 router x 1 worker step: the floors behind docs/BENCHMARKS.md's gap.
 
 A benchmark, not a timed test: it prints numbers measured in one run, as ratios against a
-baseline measured in the same run, and asserts nothing. Three questions, each with the bench
+baseline measured in the same run, and asserts nothing. Five questions, each with the bench
 model's shapes (the random Mixtral of bench_vs_vllm: hidden 256, expert intermediate 512,
 8 experts, 4 MoE layers, float32, so 50 MB of expert weights):
 
@@ -20,6 +20,10 @@ model's shapes (the random Mixtral of bench_vs_vllm: hidden 256, expert intermed
 (3) **Transport round trip.** A small message there and back between two processes: gloo
     send/recv over loopback TCP (what the exchange uses) vs a bare Unix socket pair (what a
     same-node transport could use). Four MoE layers pay it four times a step.
+
+(5) **Waking a peer on this core or another.** A router and its worker take turns, so they can
+    share a core (cluster config ``cpu.pin_threads``). Baseline: the same Unix socket round
+    trip with the two processes pinned to two different cores; then both on one core.
 
     python benchmarks/bench_cpu_floor.py
 """
@@ -148,15 +152,22 @@ def _receive_exactly(sock: socket.socket, view: memoryview) -> None:
         got += sock.recv_into(view[got:])
 
 
-def unix_socket_rtt_us(size: int) -> float:
+def unix_socket_rtt_us(size: int, cores: tuple[int, int] | None = None) -> float:
+    """Round trip of ``size`` bytes to a forked echoing peer; ``cores``: pin this process and the
+    peer to these cores (the same one twice: the two hand off on one core)."""
     here, there = socket.socketpair()
     pid = os.fork()
     if pid == 0:  # the echoing peer
+        if cores is not None:
+            os.sched_setaffinity(0, {cores[1]})
         buffer = bytearray(size)
         for _ in range(50 + RTT_MESSAGES):
             _receive_exactly(there, memoryview(buffer))
             there.sendall(buffer)
         os._exit(0)
+    allowed = os.sched_getaffinity(0)
+    if cores is not None:
+        os.sched_setaffinity(0, {cores[0]})
     buffer = bytearray(size)
     for index in range(50 + RTT_MESSAGES):
         if index == 50:
@@ -165,6 +176,7 @@ def unix_socket_rtt_us(size: int) -> float:
         _receive_exactly(here, memoryview(buffer))
     elapsed = time.perf_counter() - started
     os.waitpid(pid, 0)
+    os.sched_setaffinity(0, allowed)
     here.close()
     there.close()
     return 1e6 * elapsed / RTT_MESSAGES
@@ -177,6 +189,12 @@ def main() -> None:
         gloo, unix = gloo_rtt_us(size), unix_socket_rtt_us(size)
         print(f"(3) {size // 1024} KiB there and back: gloo over loopback TCP {gloo:.0f} us, Unix socket pair "
               f"{unix:.0f} us: ratio {unix / gloo:.2f}")
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) > 1:
+        apart = unix_socket_rtt_us(4096, (cores[0], cores[1]))
+        together = unix_socket_rtt_us(4096, (cores[0], cores[0]))
+        print(f"(5) 4 KiB there and back over a Unix socket pair, the two processes pinned to two cores "
+              f"{apart:.0f} us, to one core {together:.0f} us: ratio {together / apart:.2f}")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 
