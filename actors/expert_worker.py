@@ -141,8 +141,7 @@ class ExpertWorker:
     def _serve_loop(self, exchange: WorkerExchange) -> None:
         """Serve group steps until this exchange is replaced or fails. Each step: every MoE
         layer in order; the first layer's header may instead be an idle tick."""
-        if self.pin_core is not None:
-            self.pinned_core = pin_current_thread(self.pin_core)
+        self.pinned_core = pin_current_thread(self.pin_core)
         try:
             with torch.inference_mode():
                 while self.exchange is exchange:

@@ -208,8 +208,7 @@ class Router:
         and every ``TICK_ROUNDS`` idle rounds they tell the workers so (an idle tick), which
         keeps the workers' deadline for the next step from expiring in a quiet deployment.
         """
-        if self.pin_core is not None:
-            self.pinned_core = pin_current_thread(self.pin_core)
+        self.pinned_core = pin_current_thread(self.pin_core)
         while True:
             with self._wake:
                 if self._stopped:
