@@ -28,6 +28,7 @@ from raymoe.engine.engine import resolve_dtype
 from raymoe.actors.cpu_affinity import pin_current_thread
 from raymoe.actors.devices import actor_cuda_device
 from raymoe.engine.ep_exchange import GroupLayout, WorkerExchange
+from raymoe.engine.host_memory import keep_freed_memory
 from raymoe.engine.weights import load_expert_stack
 from raymoe.kernels import packed_linear
 from raymoe.kernels.comm import CommBackend, make_communicator, new_rendezvous
@@ -58,6 +59,8 @@ class ExpertWorker:
         self.spare_rows = spare_rows
         self.config = load_model_config(model_dir)
         self.device = actor_cuda_device() if device == "cuda" else torch.device("cpu")
+        if self.device.type == "cpu":
+            keep_freed_memory()  # engine/host_memory.py
         self.dtype = resolve_dtype(dtype, self.config, self.device)
         self.exchange: WorkerExchange | None = None
         self.migration_comm: Communicator | None = None

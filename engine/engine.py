@@ -22,6 +22,7 @@ import torch
 from raymoe.engine.block_manager import BlockManager
 from raymoe.engine.checkpoint import Checkpoint
 from raymoe.engine.experts import ExpertBackend, LocalExperts
+from raymoe.engine.host_memory import keep_freed_memory
 from raymoe.engine.kv_cache import KVCache
 from raymoe.engine.model import MoEModel
 from raymoe.engine.prefill_pacer import PrefillPacer
@@ -97,6 +98,8 @@ class LLMEngine:
         self.model = model
         self.engine_config = engine_config
         self.device = torch.device(engine_config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # a step's buffers are reused, not page-faulted in anew (engine/host_memory.py)
         self.dtype = dtype
         self.detokenize = detokenize
         self.max_model_len = min(engine_config.max_model_len or config.max_position_embeddings,
