@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from raymoe.engine.ep_exchange import RouterExchange
@@ -38,6 +39,7 @@ class RemoteExperts:
         self._moe_seconds = 0.0
 
     def _index_tables(self, placement: PlacementTable) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self._held = [placement.phy2log[layer] >= 0 for layer in range(placement.num_layers)]  # slots holding an expert
         return [
             (torch.tensor(placement.log2phy[layer], device=self.device),
              torch.tensor(placement.logcnt[layer], device=self.device))
@@ -96,17 +98,18 @@ class RemoteExperts:
         return out
 
     def _record(self, layer, topk_ids, plan, kept, log2phy, traffic, hidden) -> None:
-        """Per-layer counts as device tensors (no host sync here; Telemetry reads them once a step)."""
+        """Per-layer counts. A logical expert's tokens are the kept counts of the slots holding it
+        (host ints the plan already has); drops under a capacity policy stay a device tensor
+        (no host sync here; Telemetry reads them once a step)."""
         placement = self.placement
-        valid = plan.slot >= 0
-        num_experts = placement.num_experts
-        expert_tokens = torch.bincount(torch.where(valid, topk_ids, num_experts).reshape(-1),
-                                       minlength=num_experts + 1)
+        held = self._held[layer]
+        expert_tokens = np.bincount(placement.phy2log[layer][held], weights=np.asarray(plan.slot_counts)[held],
+                                    minlength=placement.num_experts).astype(np.int64)
         dropped = None
         if kept is not None:
             home = torch.div(log2phy[topk_ids, 0], placement.slots_per_worker, rounding_mode="floor")
             dropped = torch.bincount(torch.where(kept, placement.num_workers, home).reshape(-1),
                                      minlength=placement.num_workers + 1)[:placement.num_workers]
         row_bytes = hidden.shape[1] * hidden.element_size()
-        self.telemetry.record_layer(layer, plan.slot_counts, expert_tokens[:num_experts], dropped, traffic,
+        self.telemetry.record_layer(layer, plan.slot_counts, expert_tokens, dropped, traffic,
                                     row_bytes, 8 * self.top_k, hidden.shape[0])

@@ -73,8 +73,8 @@ class Telemetry:
 
     def record_layer(self, layer: int, slot_counts, expert_tokens, dropped_per_worker, traffic: LayerTraffic,
                      row_bytes: int, meta_row_bytes: int, num_tokens: int) -> None:
-        """One MoE layer of the current step. ``slot_counts [P]`` are host ints; ``expert_tokens [E]``
-        and ``dropped_per_worker [W]`` (or None) are device tensors: they come to the host once,
+        """One MoE layer of the current step. ``slot_counts [P]`` and ``expert_tokens [E]`` are host
+        ints; ``dropped_per_worker [W]`` (or None) is a device tensor: those come to the host once,
         at the end of the step, not once per layer."""
         self._layer_counts.append((layer, expert_tokens, dropped_per_worker))
         rows = np.asarray(traffic.rows_per_worker, dtype=np.int64)
@@ -101,15 +101,13 @@ class Telemetry:
         self._current.combine_s = max(0.0, self._current.combine_s - expert_s)
         self._current.epoch = epoch
         load = np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
-        if self._layer_counts:  # the step's one host read of its counts
-            tensors = [t for _, tokens, dropped in self._layer_counts
-                       for t in ([tokens] if dropped is None else [tokens, dropped.to(tokens.dtype)])]
-            flat = np.asarray(torch.cat(tensors).tolist(), dtype=np.int64)
+        dropped_tensors = [dropped.to(torch.int64) for _, _, dropped in self._layer_counts if dropped is not None]
+        if dropped_tensors:  # the step's one host read of its drop counts
+            flat = np.asarray(torch.cat(dropped_tensors).tolist(), dtype=np.int64)
         with self._lock:
             offset = 0
-            for layer, _, dropped in self._layer_counts:
-                load[layer] += flat[offset:offset + self.num_experts]
-                offset += self.num_experts
+            for layer, tokens, dropped in self._layer_counts:
+                load[layer] += tokens
                 if dropped is not None:
                     self.worker_dropped += flat[offset:offset + self.num_workers]
                     self.dropped += int(flat[offset:offset + self.num_workers].sum())

@@ -43,14 +43,22 @@ def reference(tiny_mixtral_dir):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_outputs_equal_the_in_process_engine(case, ray_session, reference, tiny_mixtral_dir):
-    batch, tokens, logits, _ = reference
+    batch, tokens, logits, score_calls = reference
     deployment = deploy(cluster_config(tiny_mixtral_dir, **CASES[case]), name=f"ep-{case}")
     try:
         outputs = deployment.generate(batch, GREEDY)  # several requests in flight on every router
         assert [o.output_token_ids for o in outputs] == tokens
-        for router in range(len(deployment.routers)):
+        for router, handle in enumerate(deployment.routers):
+            cursor, _ = ray.get(handle.expert_loads_since.remote(1 << 62))  # the steps so far
             for ours, expected in zip(deployment.score(batch, router=router), logits):
                 assert (ours - expected).abs().max().item() < 1e-5
+            # The load telemetry the controller balances by: the scoring step's tokens per logical
+            # expert and layer are the gate's choices (the in-process engine's, same batch).
+            _, loads = ray.get(handle.expert_loads_since.remote(cursor))  # [steps, L, E]
+            chosen = torch.zeros(loads.shape[1:], dtype=torch.int64)
+            for layer, topk_ids, _ in score_calls:
+                chosen[layer] += torch.bincount(topk_ids.reshape(-1), minlength=chosen.shape[1])
+            assert torch.equal(torch.as_tensor(loads).sum(0), chosen)
         # Every worker actually served experts.
         telemetry = deployment.telemetry()
         rows = torch.tensor([t["worker_rows"] for t in telemetry]).sum(0)
