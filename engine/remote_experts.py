@@ -18,7 +18,7 @@ from raymoe.engine.ep_exchange import RouterExchange
 from raymoe.engine.telemetry import Telemetry
 from raymoe.kernels.comm.errors import CommError
 from raymoe.moe.capacity import CapacityConfig, OverflowPolicy, keep_mask
-from raymoe.moe.exchange_plan import plan_exchange
+from raymoe.moe.exchange_plan import plan_exchange, plan_exchange_on_host
 from raymoe.moe.placement import PlacementTable
 
 
@@ -88,8 +88,12 @@ class RemoteExperts:
         placement = self.placement
         log2phy, logcnt = self._tables[moe_layer]
         kept = None if self.capacity.policy is OverflowPolicy.NONE else keep_mask(topk_ids, placement.num_experts, self.capacity)
-        plan = plan_exchange(topk_ids, topk_weights, kept, log2phy, logcnt, placement.slots_per_worker,
-                             placement.num_workers)
+        if topk_ids.device.type == "cpu":  # the host is the device: numpy plans in half the time
+            plan = plan_exchange_on_host(topk_ids, topk_weights, kept, placement.log2phy[moe_layer],
+                                         placement.logcnt[moe_layer], placement.slots_per_worker, placement.num_workers)
+        else:
+            plan = plan_exchange(topk_ids, topk_weights, kept, log2phy, logcnt, placement.slots_per_worker,
+                                 placement.num_workers)
         out, traffic = self._step_exchange.exchange(moe_layer, plan, hidden, placement.epoch)
         self._record(moe_layer, topk_ids, plan, kept, log2phy, traffic, hidden)
         self._cursor += 1

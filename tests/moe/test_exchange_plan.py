@@ -15,23 +15,31 @@ import torch.nn.functional as F
 from test_plan import CASES, INTERMEDIATE, KEEP_MODES, make_placement, make_routing, reference_plan
 
 from raymoe.engine.experts import combine_partials, run_rows
-from raymoe.moe.exchange_plan import plan_exchange
+from raymoe.moe.exchange_plan import plan_exchange, plan_exchange_on_host
+
+PLANNERS = ("device", "host")  # tensor ops on the activations' device; numpy where that is the CPU
 
 
-def exchange_plan_for(placement, ids, weights, kept):
+def exchange_plan_for(placement, ids, weights, kept, planner="device"):
+    if planner == "host":
+        return plan_exchange_on_host(ids, weights, kept, placement.log2phy[0], placement.logcnt[0],
+                                     placement.slots_per_worker, placement.num_workers)
     return plan_exchange(ids, weights, kept, torch.tensor(placement.log2phy[0]), torch.tensor(placement.logcnt[0]),
                          placement.slots_per_worker, placement.num_workers)
 
 
+@pytest.mark.parametrize("planner", PLANNERS)
 @pytest.mark.parametrize("keep", KEEP_MODES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_rows_match_the_reference(case, keep):
+def test_rows_match_the_reference(case, keep, planner):
     placement = make_placement(case, seed=11)
     ids, weights, kept = make_routing(case, keep, seed=12)
-    plan = exchange_plan_for(placement, ids, weights, kept)
+    plan = exchange_plan_for(placement, ids, weights, kept, planner)
     ref = reference_plan(placement, ids, weights, kept)
     S = placement.slots_per_worker
     assert plan.slot.tolist() == ref["slot"]
+    assert (plan.row_token.dtype, plan.row_slots.dtype, plan.row_weights.dtype) == (torch.int64, torch.int32,
+                                                                                    torch.float32)
     assert plan.send_counts == ref["send_counts"]
     assert plan.slot_counts == ref["slot_counts"]
     # Rows: one per (worker, token) with a kept assignment there, worker-major, tokens ascending.
@@ -48,15 +56,28 @@ def test_rows_match_the_reference(case, keep):
                 assert float(plan.row_weights[index, j]) == 0.0
 
 
+@pytest.mark.parametrize("keep", KEEP_MODES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_host_and_device_planners_agree_bit_for_bit(case, keep):
+    placement = make_placement(case, seed=3)
+    ids, weights, kept = make_routing(case, keep, seed=4)
+    device, host = (exchange_plan_for(placement, ids, weights, kept, planner) for planner in PLANNERS)
+    assert (host.send_counts, host.slot_counts, host.num_tokens) == (device.send_counts, device.slot_counts,
+                                                                     device.num_tokens)
+    for field in ("slot", "row_token", "row_slots", "row_weights"):
+        assert torch.equal(getattr(host, field), getattr(device, field)), field
+
+
+@pytest.mark.parametrize("planner", PLANNERS)
 @pytest.mark.parametrize("case", [c for c in CASES if c.num_tokens], ids=lambda c: c.name)
-def test_executed_rows_equal_the_dense_sum(case):
+def test_executed_rows_equal_the_dense_sum(case, planner):
     placement = make_placement(case, seed=5)
     ids, weights, kept = make_routing(case, "some_dropped", seed=6)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(case.num_tokens, case.hidden, generator=gen, dtype=torch.float64)
     w13 = torch.randn(case.num_experts, 2 * INTERMEDIATE, case.hidden, generator=gen, dtype=torch.float64)
     w2 = torch.randn(case.num_experts, case.hidden, INTERMEDIATE, generator=gen, dtype=torch.float64)
-    plan = exchange_plan_for(placement, ids, weights, kept)
+    plan = exchange_plan_for(placement, ids, weights, kept, planner)
     S = placement.slots_per_worker
     partials, start = [], 0
     for worker, count in enumerate(plan.send_counts):
