@@ -41,7 +41,8 @@ from raymoe.moe.exchange_plan import ExchangePlan
 HEADER_FIELDS = 4  # rows, tag checksum, epoch, kind; then the assignments of each local slot
 KIND_STEP = 1
 KIND_IDLE = 2
-TRAILER_BYTES = 16  # float64 expert seconds, int64 tag checksum
+TRAILER = struct.Struct("=dq")  # float64 expert seconds, int64 tag checksum (native order, as tensor views read it)
+TRAILER_BYTES = TRAILER.size
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,14 @@ class WorkerExchange:
         self.format = RowFormat(hidden_size, top_k, dtype)
         self.top_k, self.hidden_size, self.dtype, self.device = top_k, hidden_size, dtype, device
         self.row_bytes, self.activation_bytes = self.format.row_bytes, self.format.activation_bytes
+        self._identity = list(range(slots_per_worker))  # pool rows when no expert is staged
+        self._checksums: dict[int, int] = {}
+
+    def _combine_checksum(self, layer: int) -> int:
+        checksum = self._checksums.get(layer)
+        if checksum is None:
+            checksum = self._checksums[layer] = tag_checksum(layer_tag(layer, "combine"))
+        return checksum
 
     def receive_headers(self, layer: int, timeout_s: float | None = None) -> list[list[int]] | None:
         """One header per router (host ints), or None for an idle tick (no step now)."""
@@ -286,7 +295,10 @@ class WorkerExchange:
         for count, epoch in zip(counts, epochs):
             if count:
                 segment = slots[start:start + count].long()
-                pools.append(torch.where(segment >= 0, pool_rows[epoch][1][segment.clamp(min=0)], -1))
+                if pool_rows[epoch][0] == self._identity:  # slot s is pool row s (nothing staged): as is
+                    pools.append(segment)
+                else:
+                    pools.append(torch.where(segment >= 0, pool_rows[epoch][1][segment.clamp(min=0)], -1))
             start += count
         if total:
             row_pool = pools[0] if len(pools) == 1 else torch.cat(pools)
@@ -294,10 +306,8 @@ class WorkerExchange:
         else:
             partial, assignments = torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), 0
         compute_s = time.perf_counter() - started
-        trailer = torch.empty(TRAILER_BYTES, dtype=torch.uint8)
-        trailer[:8].view(torch.float64)[0] = compute_s
-        trailer[8:].view(torch.int64)[0] = tag_checksum(layer_tag(layer, "combine"))
-        trailer = trailer.to(self.device)
+        trailer = torch.frombuffer(bytearray(TRAILER.pack(compute_s, self._combine_checksum(layer))),
+                                   dtype=torch.uint8).to(self.device)
         sends, start = [], 0
         partial_bytes = partial.contiguous().view(torch.uint8) if total else None
         for rank, count in enumerate(counts):
