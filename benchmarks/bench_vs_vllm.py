@@ -72,6 +72,9 @@ RATIOS = [
     # client) delivering several tokens in one burst, which drives ITL P50 towards 0.
     ("raymoe 1x1 / vLLM E2E latency P50 at C=1", ("raymoe 1x1", 1, "e2el_p50_ms"), (VLLM, 1, "e2el_p50_ms"),
      None, None),
+    # No target: a request's mean time per output token after its first (TPOT), the per-token
+    # figure that bursts cannot drive towards 0.
+    ("raymoe 1x1 / vLLM TPOT P50 at C=1", ("raymoe 1x1", 1, "tpot_p50_ms"), (VLLM, 1, "tpot_p50_ms"), None, None),
 ]
 # An ITL P50 below this means tokens arrived in bursts (several per network read), not one per step.
 BURST_ITL_MS = 0.1
