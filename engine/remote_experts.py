@@ -39,7 +39,6 @@ class RemoteExperts:
         self._moe_seconds = 0.0
 
     def _index_tables(self, placement: PlacementTable) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        self._held = [placement.phy2log[layer] >= 0 for layer in range(placement.num_layers)]  # slots holding an expert
         return [
             (torch.tensor(placement.log2phy[layer], device=self.device),
              torch.tensor(placement.logcnt[layer], device=self.device))
@@ -106,7 +105,7 @@ class RemoteExperts:
         (host ints the plan already has); drops under a capacity policy stay a device tensor
         (no host sync here; Telemetry reads them once a step)."""
         placement = self.placement
-        held = self._held[layer]
+        held = placement.phy2log[layer] >= 0  # slots that hold an expert
         expert_tokens = np.bincount(placement.phy2log[layer][held], weights=np.asarray(plan.slot_counts)[held],
                                     minlength=placement.num_experts).astype(np.int64)
         dropped = None
