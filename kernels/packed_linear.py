@@ -36,7 +36,10 @@ PACK_ROWS_HINT = 16  # the batch size oneDNN's layout is chosen for (decode size
 DENSE_MIN_BYTES = 4 << 20
 
 _enabled = True
-_lock = threading.Lock()
+# Reentrant: a stack's finalizer (_forget) can run on the thread that holds the lock, when a
+# garbage collection triggered by an allocation in _packed_row frees a stack kept in a cycle
+# (a plain Lock deadlocked the test suite that way).
+_lock = threading.RLock()
 
 
 @dataclass

@@ -77,3 +77,33 @@ def test_a_large_dense_weight_is_packed_and_a_small_one_is_not():
     small = torch.randn(64, 256, generator=generator)
     assert torch.equal(packed_linear.linear(x, small), F.linear(x, small))  # sgemm, exactly
     assert id(small) not in packed_linear._cache
+
+
+def test_a_stack_collected_while_another_is_packed_does_not_deadlock(monkeypatch):
+    # A CI run hung here: packing one stack allocates under the cache's lock; that allocation
+    # can start a garbage collection which frees another stack kept alive only by a reference
+    # cycle, and that stack's finalizer takes the same lock on the same thread.
+    import gc
+    import threading
+
+    x = torch.randn(2, 16)
+    doomed = torch.randn(2, 8, 16)
+    packed_linear.linear_row(x, doomed, 0)  # cached, with a finalizer on `doomed`
+    cycle: list = [doomed]
+    cycle.append(cycle)
+    del doomed, cycle  # now only garbage collection frees it
+    collected = []
+
+    class CollectingPacked(packed_linear._Packed):  # a collection at the allocation under the lock
+        def __init__(self, *args):
+            collected.append(gc.collect())
+            super().__init__(*args)
+
+    monkeypatch.setattr(packed_linear, "_Packed", CollectingPacked)
+    fresh = torch.randn(2, 8, 16)
+    worker = threading.Thread(target=packed_linear.linear_row, args=(x, fresh, 1), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "packing deadlocked on the cache's lock"
+    assert collected and collected[0] > 0  # the cycle was collected inside the locked region
+    torch.testing.assert_close(packed_linear.linear_row(x, fresh, 1), F.linear(x, fresh[1]), rtol=1e-5, atol=1e-5)
