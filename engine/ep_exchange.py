@@ -235,13 +235,6 @@ class WorkerExchange:
         self.top_k, self.hidden_size, self.dtype, self.device = top_k, hidden_size, dtype, device
         self.row_bytes, self.activation_bytes = self.format.row_bytes, self.format.activation_bytes
         self._identity = list(range(slots_per_worker))  # pool rows when no expert is staged
-        self._checksums: dict[int, int] = {}
-
-    def _combine_checksum(self, layer: int) -> int:
-        checksum = self._checksums.get(layer)
-        if checksum is None:
-            checksum = self._checksums[layer] = tag_checksum(layer_tag(layer, "combine"))
-        return checksum
 
     def receive_headers(self, layer: int, timeout_s: float | None = None) -> list[list[int]] | None:
         """One header per router (host ints), or None for an idle tick (no step now)."""
@@ -306,7 +299,7 @@ class WorkerExchange:
         else:
             partial, assignments = torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), 0
         compute_s = time.perf_counter() - started
-        trailer = torch.frombuffer(bytearray(TRAILER.pack(compute_s, self._combine_checksum(layer))),
+        trailer = torch.frombuffer(bytearray(TRAILER.pack(compute_s, tag_checksum(layer_tag(layer, "combine")))),
                                    dtype=torch.uint8).to(self.device)
         sends, start = [], 0
         partial_bytes = partial.contiguous().view(torch.uint8) if total else None

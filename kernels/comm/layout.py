@@ -14,6 +14,7 @@ silently exchanging the wrong data.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -170,6 +171,7 @@ def plan_payload(
     return layout
 
 
+@functools.lru_cache(maxsize=4096)  # a few tags per layer, checked every step
 def tag_checksum(tag: str) -> int:
     """A checksum of the tag that is the same in every process (unlike the salted hash())."""
     return zlib.crc32(tag.encode("utf-8"))
