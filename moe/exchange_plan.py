@@ -129,20 +129,21 @@ def plan_exchange_on_host(
     host = torch.cat(columns, dim=1).numpy()  # [T, 2k or 3k]: the layer's one host conversion
     ids = host[:, :top_k]
     weights = np.ascontiguousarray(host[:, top_k:2 * top_k]).view(np.float64)
+    kept_flat = None if kept is None else host[:, 2 * top_k:].reshape(-1) != 0
     flat = ids.reshape(-1)
     if log2phy.shape[1] == 1:  # no expert is replicated: its only slot
         slot = log2phy[flat, 0]
     else:
         num_experts = log2phy.shape[0]
-        key = flat if kept is None else np.where(host[:, 2 * top_k:].reshape(-1) != 0, flat, num_experts)
+        key = flat if kept_flat is None else np.where(kept_flat, flat, num_experts)
         order = np.argsort(key, kind="stable")
         counts = np.bincount(key, minlength=num_experts + 1)
         starts = np.cumsum(counts) - counts
         rank = np.empty_like(order)
         rank[order] = np.arange(flat.size) - starts[key[order]]
         slot = log2phy[flat, rank % np.maximum(logcnt[flat], 1)]
-    if kept is not None:
-        slot = np.where(host[:, 2 * top_k:].reshape(-1) != 0, slot, -1)
+    if kept_flat is not None:
+        slot = np.where(kept_flat, slot, -1)
     slot = slot.reshape(num_tokens, top_k)
     valid = slot >= 0
     worker = slot // slots_per_worker  # [T, k]; -1 where not valid
