@@ -85,8 +85,11 @@ def run_streams_then_long_prompt(engine: LLMEngine, allowance: int | None):
     def recording_schedule(*args):
         batch = schedule(*args)
         if batch is not None and "long" in tokens:
-            decodes = sum(1 for n in batch.num_new_tokens if n == 1)
-            steps.append((decodes, batch.num_tokens - decodes))
+            # A prompt chunk is whatever a sequence computes before its prompt is done: a
+            # last chunk of one token is still a prompt token, not a decode.
+            in_prompt = [sequence.num_computed < len(sequence.prompt_ids) for sequence in batch.sequences]
+            prompt = sum(n for n, flag in zip(batch.num_new_tokens, in_prompt) if flag)
+            steps.append((in_prompt.count(False), prompt))
         return batch
 
     engine.scheduler.schedule = recording_schedule
