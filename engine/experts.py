@@ -107,7 +107,9 @@ def run_rows(rows: torch.Tensor, row_pool: torch.Tensor, row_weights: torch.Tens
     expert_out = grouped_swiglu(expert_in, pool_counts, w13, w2, executor=executor)  # [A, D]
     accumulate = torch.promote_types(rows.dtype, torch.float32)
     weighted = expert_out.to(accumulate) * row_weights.reshape(-1).index_select(0, chosen).unsqueeze(1)
-    slots = torch.zeros(num_rows * top_k, rows.shape[1], dtype=accumulate, device=rows.device)
+    # Every (row, position) is written when every position holds an assignment: no zero fill.
+    make = torch.empty if assignments == num_rows * top_k else torch.zeros
+    slots = make(num_rows * top_k, rows.shape[1], dtype=accumulate, device=rows.device)
     slots.index_copy_(0, chosen, weighted)
     return slots.view(num_rows, top_k, rows.shape[1]).sum(dim=1).to(rows.dtype), assignments
 

@@ -103,7 +103,7 @@ def _grouped_swiglu_loop(
                 torch.mm(hidden, w2[row].t(), out=out[begin:end])  # [n, D], written in place
 
     if executor is None or len(jobs) < 2:
-        run(jobs)
+        run_jobs(jobs)  # on this thread, in its own modes
         return out
     split = 1  # the first job whose rows start past half of them (at least one job per side)
     while split < len(jobs) - 1 and jobs[split][1] < start // 2:
