@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from raymoe.engine.ep_exchange import RouterExchange
@@ -73,7 +72,8 @@ class RemoteExperts:
         expert_s = self._step_exchange.read_trailers()
         if self._real:
             total = time.perf_counter() - self._step_started
-            self.telemetry.end_step(total - self._moe_seconds, expert_s, self.placement.epoch)
+            self.telemetry.end_step(total - self._moe_seconds, expert_s, self.placement.epoch,
+                                    self.placement.phy2log)
 
     def forward(
         self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -101,18 +101,14 @@ class RemoteExperts:
         return out
 
     def _record(self, layer, topk_ids, plan, kept, log2phy, traffic, hidden) -> None:
-        """Per-layer counts. A logical expert's tokens are the kept counts of the slots holding it
-        (host ints the plan already has); drops under a capacity policy stay a device tensor
-        (no host sync here; Telemetry reads them once a step)."""
+        """Per-layer counts, as they are: the plan's per-slot counts (host ints) become logical
+        expert loads once a step (Telemetry.end_step); drops under a capacity policy stay a
+        device tensor (no host sync here; Telemetry reads them once a step)."""
         placement = self.placement
-        held = placement.phy2log[layer] >= 0  # slots that hold an expert
-        expert_tokens = np.bincount(placement.phy2log[layer][held], weights=np.asarray(plan.slot_counts)[held],
-                                    minlength=placement.num_experts).astype(np.int64)
         dropped = None
         if kept is not None:
             home = torch.div(log2phy[topk_ids, 0], placement.slots_per_worker, rounding_mode="floor")
             dropped = torch.bincount(torch.where(kept, placement.num_workers, home).reshape(-1),
                                      minlength=placement.num_workers + 1)[:placement.num_workers]
-        row_bytes = hidden.shape[1] * hidden.element_size()
-        self.telemetry.record_layer(layer, plan.slot_counts, expert_tokens, dropped, traffic,
-                                    row_bytes, 8 * self.top_k, hidden.shape[0])
+        self.telemetry.record_layer(layer, plan.slot_counts, dropped, traffic, hidden.shape[1] * hidden.element_size(),
+                                    8 * self.top_k, hidden.shape[0])

@@ -71,47 +71,60 @@ class Telemetry:
         self._lock = threading.Lock()
         self.begin_step()
 
-    def record_layer(self, layer: int, slot_counts, expert_tokens, dropped_per_worker, traffic: LayerTraffic,
+    def record_layer(self, layer: int, slot_counts: list[int], dropped_per_worker, traffic: LayerTraffic,
                      row_bytes: int, meta_row_bytes: int, num_tokens: int) -> None:
-        """One MoE layer of the current step. ``slot_counts [P]`` and ``expert_tokens [E]`` are host
-        ints; ``dropped_per_worker [W]`` (or None) is a device tensor: those come to the host once,
-        at the end of the step, not once per layer."""
-        self._layer_counts.append((layer, expert_tokens, dropped_per_worker))
-        rows = np.asarray(traffic.rows_per_worker, dtype=np.int64)
-        with self._lock:
-            self.slot_tokens[layer] += np.asarray(slot_counts, dtype=np.int64)
-            self.worker_rows += rows
-            self.worker_bytes_sent += rows * row_bytes
-            self.worker_bytes_received += rows * row_bytes
-            self.meta_bytes += int(rows.sum()) * meta_row_bytes
-            self.bytes_sent += traffic.bytes_sent
-            self.bytes_received += traffic.bytes_received
+        """One MoE layer of the current step, kept as given and added up once, in :meth:`end_step`
+        (a few list appends per layer instead of a dozen small numpy calls). ``slot_counts [P]``
+        are host ints; ``dropped_per_worker [W]`` (or None) is a device tensor, read at the end of
+        the step with the others, not once per layer."""
+        self._layer_counts.append((layer, slot_counts, traffic.rows_per_worker, dropped_per_worker))
+        self._row_bytes, self._meta_row_bytes = row_bytes, meta_row_bytes
+        self._bytes_sent += traffic.bytes_sent
+        self._bytes_received += traffic.bytes_received
         self._current.dispatch_s += traffic.dispatch_s
         self._current.combine_s += traffic.exchange_s  # the expert part comes out in end_step
         self._current.tokens = num_tokens
-        self._current.rows_sent += int(rows.sum())
 
     def begin_step(self, started: float = 0.0) -> None:
         self._current = StepRecord(started=started)
         self._layer_counts: list = []
+        self._bytes_sent = self._bytes_received = 0
 
-    def end_step(self, dense_s: float, expert_s: float, epoch: int) -> None:
+    def end_step(self, dense_s: float, expert_s: float, epoch: int, phy2log: np.ndarray | None = None) -> None:
+        """Close the step. ``phy2log [L, P]``: the step's placement (the logical expert in each
+        physical slot, -1 for none), which turns the layers' slot counts into expert loads."""
         self._current.dense_s = dense_s
         self._current.expert_s = expert_s
         self._current.combine_s = max(0.0, self._current.combine_s - expert_s)
         self._current.epoch = epoch
         load = np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
-        dropped_tensors = [dropped.to(torch.int64) for _, _, dropped in self._layer_counts if dropped is not None]
+        records = self._layer_counts
+        if records:
+            layers = np.array([layer for layer, _, _, _ in records], dtype=np.intp)  # each at most once a step
+            counts = np.array([slots for _, slots, _, _ in records], dtype=np.int64)  # [n, P]
+            rows = np.array([rows for _, _, rows, _ in records], dtype=np.int64).sum(axis=0)  # [W]
+            if phy2log is not None:  # a logical expert's tokens: the counts of the slots holding it
+                experts = phy2log[layers]
+                held = experts >= 0
+                flat = (np.arange(len(records))[:, None] * self.num_experts + experts)[held]
+                load[layers] = np.bincount(flat, weights=counts[held], minlength=len(records) * self.num_experts
+                                           ).reshape(len(records), self.num_experts).astype(np.int64)
+            self._current.rows_sent = int(rows.sum())
+        dropped_tensors = [dropped.to(torch.int64) for _, _, _, dropped in records if dropped is not None]
         if dropped_tensors:  # the step's one host read of its drop counts
-            flat = np.asarray(torch.cat(dropped_tensors).tolist(), dtype=np.int64)
+            flat_dropped = np.asarray(torch.cat(dropped_tensors).tolist(), dtype=np.int64).reshape(-1, self.num_workers)
         with self._lock:
-            offset = 0
-            for layer, tokens, dropped in self._layer_counts:
-                load[layer] += tokens
-                if dropped is not None:
-                    self.worker_dropped += flat[offset:offset + self.num_workers]
-                    self.dropped += int(flat[offset:offset + self.num_workers].sum())
-                    offset += self.num_workers
+            if records:
+                self.slot_tokens[layers] += counts
+                self.worker_rows += rows
+                self.worker_bytes_sent += rows * self._row_bytes
+                self.worker_bytes_received += rows * self._row_bytes
+                self.meta_bytes += int(rows.sum()) * self._meta_row_bytes
+                self.bytes_sent += self._bytes_sent
+                self.bytes_received += self._bytes_received
+            if dropped_tensors:
+                self.worker_dropped += flat_dropped.sum(axis=0)
+                self.dropped += int(flat_dropped.sum())
             self.steps.append(self._current)
             self.expert_loads.append((self.num_steps, load))
             self.num_steps += 1
