@@ -1,0 +1,185 @@
+"""Where a served decode step's CPU goes, phase by phase, against the in-process engine's step.
+
+The same random Mixtral as the other benchmarks (benchmarks/common.py) and the same workload
+for both sides: ``--requests`` sequences of 16 prompt tokens decoding ``--tokens`` tokens.
+
+1. The in-process engine (the reference) on one pinned core, torch on one thread: its decode
+   step (median) and the part of it spent in the experts.
+2. A deployment (``--config``, default ``1x1``: 1 router, 1 expert worker, CPU defaults) on a
+   local Ray whose worker processes run benchmarks/served_phases_hook.py: thread-CPU timers
+   around the router's and the worker's phases. Prints CPU ms per step for each phase, their
+   sum, the telemetry's median step interval (wall), and the ratio of the served sum to the
+   in-process step.
+
+A sum near the interval says the step is CPU-bound (the router and the worker take turns on
+one core with the CPU defaults). The router's "dense + sampling" is its engine step minus the
+plan, exchange and telemetry; its "exchange" includes packing rows, posting the messages,
+reading the sums and combining them (not the time spent waiting for the worker, which is not
+CPU). The worker's "transport" is its headers and layer work outside the experts.
+
+    python benchmarks/bench_served_phases.py [--requests 1,32] [--tokens 64] [--config 1x1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import ray
+import torch
+
+from common import build_mixtral, machine_description
+from raymoe.cluster.config import parse_cluster_config
+from raymoe.cluster.deploy import deploy
+from raymoe.engine import experts as local_experts
+from raymoe.engine.engine import EngineConfig, LLMEngine
+from raymoe.engine.sampling_params import SamplingParams
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPT_TOKENS = 16
+
+
+def prompts_for(count: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 512, (PROMPT_TOKENS,), generator=generator).tolist() for _ in range(count)]
+
+
+def in_process_steps(path: str, counts: list[int], tokens: int) -> dict[int, tuple[float, float]]:
+    """Per request count: (median decode step ms, median experts ms), on one pinned core."""
+    affinity = os.sched_getaffinity(0)
+    threads = torch.get_num_threads()
+    os.sched_setaffinity(0, {min(affinity)})
+    torch.set_num_threads(1)
+    spent = [0.0]
+    original = local_experts.LocalExperts.forward
+
+    def timed(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - started
+
+    local_experts.LocalExperts.forward = timed
+    try:
+        engine = LLMEngine.from_pretrained(path, EngineConfig(dtype="float32"))
+        results = {}
+        for count in counts:
+            steps, expert_parts = [], []
+            for round_ in range(2):
+                for index, prompt in enumerate(prompts_for(count, seed=round_)):
+                    engine.add_request(f"r{round_}-{count}-{index}", prompt,
+                                       SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+                engine.step()  # the prefill
+                while engine.has_unfinished():
+                    decoding = len(engine.scheduler.running) == count
+                    spent[0] = 0.0
+                    started = time.perf_counter()
+                    engine.step()
+                    if decoding and round_:  # the first round warms up
+                        steps.append(time.perf_counter() - started)
+                        expert_parts.append(spent[0])
+            results[count] = (1e3 * statistics.median(steps), 1e3 * statistics.median(expert_parts))
+        return results
+    finally:
+        local_experts.LocalExperts.forward = original
+        torch.set_num_threads(threads)
+        os.sched_setaffinity(0, affinity)
+
+
+def read_phases(directory: str) -> dict[int, dict]:
+    out = {}
+    for name in glob.glob(os.path.join(directory, "*.json")):
+        try:
+            with open(name) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        out[data["pid"]] = data
+    return out
+
+
+def difference(before: dict[int, dict], after: dict[int, dict]) -> tuple[dict[str, float], dict[str, float]]:
+    """(router phases, worker phases) in ms per step between two readings."""
+    router, worker = {}, {}
+    for pid, now in after.items():
+        then = before.get(pid, {"steps": 0, "seconds": {}})
+        steps = now["steps"] - then["steps"]
+        if steps <= 0:
+            continue
+        per_step = {name: 1e3 * (value - then["seconds"].get(name, 0.0)) / steps for name, value in now["seconds"].items()}
+        target = router if "group_step" in per_step else worker if "serve" in per_step else None
+        if target is not None:
+            for name, value in per_step.items():
+                target[name] = target.get(name, 0.0) + value
+    return router, worker
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", default="1,32", help="sequences decoding together, comma-separated")
+    parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
+    parser.add_argument("--config", default="1x1", help="RxW: routers x expert workers")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.requests.split(",")]
+    routers, workers = (int(n) for n in args.config.split("x"))
+    with tempfile.TemporaryDirectory() as path, tempfile.TemporaryDirectory() as phases_dir:
+        build_mixtral(path)
+        print(f"machine: {machine_description()}")
+        local = in_process_steps(path, counts, args.tokens)
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("RAY_worker_niceness", "0")
+        python_path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
+        ray.init(address="local", include_dashboard=False, runtime_env={
+            "worker_process_setup_hook": "served_phases_hook.install",
+            "env_vars": {"RAYMOE_PHASES_DIR": phases_dir, "PYTHONPATH": python_path}})
+        config = parse_cluster_config({"model": path, "device": "cpu", "dtype": "float32", "routers": routers,
+                                       "expert_workers": workers})
+        deployment = deploy(config, name=f"phases-{args.config}")
+        rows = []
+        try:
+            deployment.generate(prompts_for(2), SamplingParams(max_tokens=4, temperature=0.0))
+            for count in counts:
+                params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+                time.sleep(0.5)  # the last dumps of the previous run land
+                before = read_phases(phases_dir)
+                skip = len(deployment.telemetry()[0]["steps"])
+                deployment.generate(prompts_for(count, seed=1), params)
+                time.sleep(0.5)
+                router, worker = difference(before, read_phases(phases_dir))
+                records = deployment.telemetry()[0]["steps"][skip:]
+                starts = [r["started"] for r in records if r["tokens"] == count]
+                interval = 1e3 * statistics.median(b - a for a, b in zip(starts, starts[1:])) if len(starts) > 2 else float("nan")
+                rows.append((count, router, worker, interval))
+        finally:
+            deployment.shutdown()
+            ray.shutdown()
+    print(f"per decode step, CPU ms ({args.config}: router step thread and worker serving thread; "
+          f"in-process: the whole step on one pinned core)")
+    header = (f"{'seqs':>4} | {'in-proc':>7} {'(experts)':>9} | {'dense+samp':>10} {'plan':>6} {'exchange':>8} "
+              f"{'record':>6} {'outside':>7} {'loop':>6} | {'experts':>7} {'transport':>9} | {'sum':>6} "
+              f"{'interval':>8} {'sum/in-proc':>11}")
+    print(header)
+    for count, router, worker, interval in rows:
+        step, experts = local[count]
+        engine_step = router.get("engine_step", 0.0)
+        inner = router.get("plan", 0.0) + router.get("exchange", 0.0) + router.get("record", 0.0)
+        dense = engine_step - inner
+        outside = router.get("group_step", 0.0) - engine_step  # complete_step: trailers, telemetry's step end
+        transport = worker.get("headers", 0.0) + worker.get("serve", 0.0) - worker.get("experts", 0.0)
+        total = router.get("group_step", 0.0) + router.get("loop", 0.0) + worker.get("headers", 0.0) + worker.get("serve", 0.0)
+        print(f"{count:>4} | {step:7.2f} {experts:9.2f} | {dense:10.2f} {router.get('plan', 0.0):6.2f} "
+              f"{router.get('exchange', 0.0):8.2f} {router.get('record', 0.0):6.2f} {outside:7.2f} "
+              f"{router.get('loop', 0.0):6.2f} | {worker.get('experts', 0.0):7.2f} {transport:9.2f} | {total:6.2f} "
+              f"{interval:8.2f} {total / step:11.2f}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Per-phase CPU accounting inside Ray actor processes, for benchmarks/bench_served_phases.py.
+
+Installed as Ray's ``worker_process_setup_hook`` (it runs in every worker process before any
+actor is built), it wraps a few raymoe functions with thread-CPU timers and writes the running
+totals to ``$RAYMOE_PHASES_DIR/<pid>.json`` every ``DUMP_EVERY`` router steps. Nothing here is
+imported by raymoe itself: the serving code carries no timers of its own beyond its telemetry.
+
+Phases (each inclusive of what it calls; the benchmark derives the exclusive parts):
+- router: ``group_step`` (Router._group_step: one step of the step thread, engine and
+  exchange), ``engine_step`` (LLMEngine.step), ``plan`` (the exchange plan), ``exchange``
+  (RouterExchange.exchange: pack, send, receive, combine), ``record`` (telemetry per layer),
+  ``loop`` (the step thread's CPU between two group steps: delivery, inbox).
+- worker: ``headers`` (WorkerExchange.receive_headers), ``serve`` (WorkerExchange.serve_layer),
+  ``experts`` (run_rows inside it).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+import time
+
+DUMP_EVERY = 8
+_totals: dict[str, float] = {}
+_counts: dict[str, int] = {}
+_lock = threading.Lock()
+_state = {"steps": 0, "last_exit": None}
+
+
+def _add(name: str, seconds: float) -> None:
+    with _lock:
+        _totals[name] = _totals.get(name, 0.0) + seconds
+        _counts[name] = _counts.get(name, 0) + 1
+
+
+def _timed(name: str, function):
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        started = time.thread_time()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _add(name, time.thread_time() - started)
+    return wrapper
+
+
+def _dump() -> None:
+    directory = os.environ.get("RAYMOE_PHASES_DIR")
+    if not directory:
+        return
+    with _lock:
+        data = {"pid": os.getpid(), "steps": _state["steps"], "seconds": dict(_totals), "calls": dict(_counts)}
+    path = os.path.join(directory, f"{os.getpid()}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)  # a reader never sees half a file
+
+
+def _group_step(function):
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        entered = time.thread_time()
+        if _state["last_exit"] is not None:
+            _add("loop", entered - _state["last_exit"])
+        try:
+            return function(*args, **kwargs)
+        finally:
+            left = time.thread_time()
+            _add("group_step", left - entered)
+            _state["last_exit"] = left
+            _state["steps"] += 1
+            if _state["steps"] % DUMP_EVERY == 0:
+                _dump()
+    return wrapper
+
+
+def install() -> None:
+    from raymoe.actors import router
+    from raymoe.engine import engine, ep_exchange, remote_experts
+
+    router.Router._group_step = _group_step(router.Router._group_step)
+    engine.LLMEngine.step = _timed("engine_step", engine.LLMEngine.step)
+    remote_experts.plan_exchange = _timed("plan", remote_experts.plan_exchange)
+    remote_experts.plan_exchange_on_host = _timed("plan", remote_experts.plan_exchange_on_host)
+    remote_experts.RemoteExperts._record = _timed("record", remote_experts.RemoteExperts._record)
+    ep_exchange.RouterExchange.exchange = _timed("exchange", ep_exchange.RouterExchange.exchange)
+    ep_exchange.WorkerExchange.receive_headers = _timed("headers", ep_exchange.WorkerExchange.receive_headers)
+    ep_exchange.run_rows = _timed("experts", ep_exchange.run_rows)
+    serve_layer = _timed("serve", ep_exchange.WorkerExchange.serve_layer)
+
+    def counted_serve_layer(self, layer, *args, **kwargs):  # a worker counts a step at its first layer
+        result = serve_layer(self, layer, *args, **kwargs)
+        if layer == 0:
+            _state["steps"] += 1
+            if _state["steps"] % DUMP_EVERY == 0:
+                _dump()
+        return result
+
+    ep_exchange.WorkerExchange.serve_layer = counted_serve_layer
