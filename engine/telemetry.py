@@ -102,7 +102,7 @@ class Telemetry:
         if records:
             layers = np.array([layer for layer, _, _, _ in records], dtype=np.intp)  # each at most once a step
             counts = np.array([slots for _, slots, _, _ in records], dtype=np.int64)  # [n, P]
-            rows = np.array([rows for _, _, rows, _ in records], dtype=np.int64).sum(axis=0)  # [W]
+            rows = np.array([per_worker for _, _, per_worker, _ in records], dtype=np.int64).sum(axis=0)  # [W]
             if phy2log is not None:  # a logical expert's tokens: the counts of the slots holding it
                 experts = phy2log[layers]
                 held = experts >= 0
