@@ -5,7 +5,7 @@ for both sides: ``--requests`` sequences of 16 prompt tokens decoding ``--tokens
 
 1. The in-process engine (the reference) on one pinned core, torch on one thread: its decode
    step (median) and the part of it spent in the experts.
-2. A deployment (``--config``, default ``1x1``: 1 router, 1 expert worker, CPU defaults) on a
+2. A deployment (``--config 1xW``, default ``1x1``: 1 router, W expert workers, CPU defaults) on a
    local Ray whose worker processes run benchmarks/served_phases_hook.py: thread-CPU timers
    around the router's and the worker's phases. Prints CPU ms per step for each phase, their
    sum, the telemetry's median step interval (wall), and the ratio of the served sum to the
@@ -18,6 +18,8 @@ reading the sums and combining them (not the time spent waiting for the worker, 
 CPU). The worker's "transport" is its headers and layer work outside the experts.
 
     python benchmarks/bench_served_phases.py [--requests 1,32] [--tokens 64] [--config 1x1]
+
+With several workers, a worker phase is the sum over the workers (CPU per step on any core).
 """
 
 from __future__ import annotations
@@ -125,10 +127,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", default="1,32", help="sequences decoding together, comma-separated")
     parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
-    parser.add_argument("--config", default="1x1", help="RxW: routers x expert workers")
+    parser.add_argument("--config", default="1x1", help="1xW: one router, W expert workers")
     args = parser.parse_args()
     counts = [int(n) for n in args.requests.split(",")]
     routers, workers = (int(n) for n in args.config.split("x"))
+    if routers != 1:
+        # With several routers a step's phases are spread over routers that each hold part of
+        # the batch (or none of it): "per step" has no single meaning. One router, any workers.
+        parser.error(f"--config {args.config}: one router only (1xW); the workers' phases are summed over them")
     with tempfile.TemporaryDirectory() as path, tempfile.TemporaryDirectory() as phases_dir:
         build_mixtral(path)
         print(f"machine: {machine_description()}")
@@ -154,14 +160,14 @@ def main() -> None:
                 time.sleep(0.5)
                 router, worker = difference(before, read_phases(phases_dir))
                 records = deployment.telemetry()[0]["steps"][skip:]
-                starts = [r["started"] for r in records if r["tokens"] == count]
+                starts = [r["started"] for r in records if r["tokens"] == count]  # its decode steps
                 interval = 1e3 * statistics.median(b - a for a, b in zip(starts, starts[1:])) if len(starts) > 2 else float("nan")
                 rows.append((count, router, worker, interval))
         finally:
             deployment.shutdown()
             ray.shutdown()
-    print(f"per decode step, CPU ms ({args.config}: router step thread and worker serving thread; "
-          f"in-process: the whole step on one pinned core)")
+    print(f"per decode step, CPU ms ({args.config}: the router's step thread and the workers' serving threads, "
+          f"summed over the workers; in-process: the whole step on one pinned core)")
     header = (f"{'seqs':>4} | {'in-proc':>7} {'(experts)':>9} | {'dense+samp':>10} {'plan':>6} {'exchange':>8} "
               f"{'record':>6} {'outside':>7} {'loop':>6} | {'experts':>7} {'transport':>9} | {'sum':>6} "
               f"{'interval':>8} {'sum/in-proc':>11}")
