@@ -29,7 +29,6 @@ import glob
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -184,7 +183,6 @@ def main() -> None:
               f"{router.get('exchange', 0.0):8.2f} {router.get('record', 0.0):6.2f} {outside:7.2f} "
               f"{router.get('loop', 0.0):6.2f} | {worker.get('experts', 0.0):7.2f} {transport:9.2f} | {total:6.2f} "
               f"{interval:8.2f} {total / step:11.2f}")
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

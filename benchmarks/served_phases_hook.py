@@ -24,7 +24,6 @@ import time
 
 DUMP_EVERY = 8
 _totals: dict[str, float] = {}
-_counts: dict[str, int] = {}
 _lock = threading.Lock()
 _state = {"steps": 0, "last_exit": None}
 
@@ -32,7 +31,6 @@ _state = {"steps": 0, "last_exit": None}
 def _add(name: str, seconds: float) -> None:
     with _lock:
         _totals[name] = _totals.get(name, 0.0) + seconds
-        _counts[name] = _counts.get(name, 0) + 1
 
 
 def _timed(name: str, function):
@@ -51,11 +49,18 @@ def _dump() -> None:
     if not directory:
         return
     with _lock:
-        data = {"pid": os.getpid(), "steps": _state["steps"], "seconds": dict(_totals), "calls": dict(_counts)}
+        data = {"pid": os.getpid(), "steps": _state["steps"], "seconds": dict(_totals)}
     path = os.path.join(directory, f"{os.getpid()}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(data, f)
     os.replace(path + ".tmp", path)  # a reader never sees half a file
+
+
+def _count_step() -> None:
+    """One more step of this process; the totals go to disk every ``DUMP_EVERY``."""
+    _state["steps"] += 1
+    if _state["steps"] % DUMP_EVERY == 0:
+        _dump()
 
 
 def _group_step(function):
@@ -70,9 +75,7 @@ def _group_step(function):
             left = time.thread_time()
             _add("group_step", left - entered)
             _state["last_exit"] = left
-            _state["steps"] += 1
-            if _state["steps"] % DUMP_EVERY == 0:
-                _dump()
+            _count_step()
     return wrapper
 
 
@@ -93,9 +96,7 @@ def install() -> None:
     def counted_serve_layer(self, layer, *args, **kwargs):  # a worker counts a step at its first layer
         result = serve_layer(self, layer, *args, **kwargs)
         if layer == 0:
-            _state["steps"] += 1
-            if _state["steps"] % DUMP_EVERY == 0:
-                _dump()
+            _count_step()
         return result
 
     ep_exchange.WorkerExchange.serve_layer = counted_serve_layer
