@@ -90,7 +90,7 @@ class Telemetry:
         self._layer_counts: list = []
         self._bytes_sent = self._bytes_received = 0
 
-    def end_step(self, dense_s: float, expert_s: float, epoch: int, phy2log: np.ndarray | None = None) -> None:
+    def end_step(self, dense_s: float, expert_s: float, epoch: int, phy2log: np.ndarray) -> None:
         """Close the step. ``phy2log [L, P]``: the step's placement (the logical expert in each
         physical slot, -1 for none), which turns the layers' slot counts into expert loads."""
         self._current.dense_s = dense_s
@@ -103,12 +103,11 @@ class Telemetry:
             layers = np.array([layer for layer, _, _, _ in records], dtype=np.intp)  # each at most once a step
             counts = np.array([slots for _, slots, _, _ in records], dtype=np.int64)  # [n, P]
             rows = np.array([per_worker for _, _, per_worker, _ in records], dtype=np.int64).sum(axis=0)  # [W]
-            if phy2log is not None:  # a logical expert's tokens: the counts of the slots holding it
-                experts = phy2log[layers]
-                held = experts >= 0
-                flat = (np.arange(len(records))[:, None] * self.num_experts + experts)[held]
-                load[layers] = np.bincount(flat, weights=counts[held], minlength=len(records) * self.num_experts
-                                           ).reshape(len(records), self.num_experts).astype(np.int64)
+            experts = phy2log[layers]  # a logical expert's tokens: the counts of the slots holding it
+            held = experts >= 0
+            flat = (np.arange(len(records))[:, None] * self.num_experts + experts)[held]
+            load[layers] = np.bincount(flat, weights=counts[held], minlength=len(records) * self.num_experts
+                                       ).reshape(len(records), self.num_experts).astype(np.int64)
             self._current.rows_sent = int(rows.sum())
         dropped_tensors = [dropped.to(torch.int64) for _, _, _, dropped in records if dropped is not None]
         if dropped_tensors:  # the step's one host read of its drop counts
