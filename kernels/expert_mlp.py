@@ -51,15 +51,17 @@ def grouped_swiglu(
         ``[A, D]`` in the same row order as ``x``.
     """
     counts = slot_counts.tolist() if isinstance(slot_counts, torch.Tensor) else list(slot_counts)
+    stacked = w13.shape[0]
+    identity = slot_rows is None or slot_rows == list(range(stacked))
     if slot_rows is None:
-        slot_rows = list(range(w13.shape[0]))
+        slot_rows = range(stacked)
     if len(counts) != len(slot_rows):
         raise ValueError(f"{len(counts)} slot counts for {len(slot_rows)} slots")
-    if any(not 0 <= r < w13.shape[0] for r in slot_rows):
-        raise ValueError(f"slot rows {slot_rows} fall outside the {w13.shape[0]} stacked experts")
+    if not identity and slot_rows and (min(slot_rows) < 0 or max(slot_rows) >= stacked):
+        raise ValueError(f"slot rows {slot_rows} fall outside the {stacked} stacked experts")
     if sum(counts) != x.shape[0]:
         raise ValueError(f"slot counts sum to {sum(counts)} but x has {x.shape[0]} rows")
-    if slot_rows == list(range(w13.shape[0])) and _use_grouped_mm(x, w13, w2):
+    if identity and _use_grouped_mm(x, w13, w2):
         return _grouped_swiglu_cuda(x, counts, w13, w2)  # errors propagate: see the module doc
     return _grouped_swiglu_loop(x, counts, w13, w2, slot_rows, executor)
 
@@ -91,15 +93,21 @@ def _grouped_swiglu_loop(
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             run_jobs(part)
 
-    packed = packed_linear.applies(x, w13)  # CPU float32: oneDNN over prepacked weights
+    # CPU float32: oneDNN over prepacked weights, each stack's packed rows looked up once per call
+    packed = packed_linear.applies(x, w13) and packed_linear.applies(x, w2)
+    packed13 = packed_linear.PackedStack(w13) if packed else None
+    packed2 = packed_linear.PackedStack(w2) if packed else None
+    x = x.contiguous()
 
     def run_jobs(part: list[tuple[int, int, int]]) -> None:
         for row, begin, end in part:
-            gate_up = packed_linear.linear_row(x[begin:end], w13, row)  # [n, 2I]
-            hidden = F.silu(gate_up[:, :intermediate], inplace=True).mul_(gate_up[:, intermediate:])  # [n, I]
             if packed:
-                out[begin:end] = packed_linear.linear_row(hidden, w2, row)  # [n, D]
+                gate_up = packed13.linear(x[begin:end], row)  # [n, 2I]
+                hidden = F.silu(gate_up[:, :intermediate], inplace=True).mul_(gate_up[:, intermediate:])  # [n, I]
+                out[begin:end] = packed2.linear(hidden.contiguous(), row)  # [n, D]
             else:
+                gate_up = F.linear(x[begin:end], w13[row])
+                hidden = F.silu(gate_up[:, :intermediate], inplace=True).mul_(gate_up[:, intermediate:])
                 torch.mm(hidden, w2[row].t(), out=out[begin:end])  # [n, D], written in place
 
     if executor is None or len(jobs) < 2:

@@ -77,8 +77,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             or weight.numel() * weight.element_size() < DENSE_MIN_BYTES):
         return F.linear(x, weight, bias)
     shape = x.shape
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]).contiguous(), _packed_row(weight, None),
-                                             bias, "none", [], "")
+    out = _LINEAR(x.reshape(-1, shape[-1]).contiguous(), _packed_row(weight, None), bias, "none", [], "")
     return out.reshape(*shape[:-1], weight.shape[0])
 
 
@@ -86,12 +85,30 @@ def linear_row(x: torch.Tensor, stack: torch.Tensor, row: int) -> torch.Tensor:
     """``x @ stack[row].T`` (``x: [n, in]``, ``stack: [R, out, in]``) -> ``[n, out]``."""
     if not applies(x, stack):
         return F.linear(x, stack[row])
-    packed = _packed_row(stack, row)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+    return _LINEAR(x.contiguous(), _packed_row(stack, row), None, "none", [], "")
 
 
-def _packed_row(stack: torch.Tensor, row: int | None) -> torch.Tensor:
-    """The packed copy of ``stack[row]`` (``row`` None: ``stack`` is the weight itself)."""
+class PackedStack:
+    """The packed rows of one stack, looked up once for a batch of calls (a layer's experts):
+    ``stack.linear(x, row)`` is :func:`linear_row` without its per-call checks. Valid while
+    the stack is not written (a migration writes between steps, never during a layer)."""
+
+    __slots__ = ("stack", "rows")
+
+    def __init__(self, stack: torch.Tensor):
+        self.stack = stack
+        self.rows = _entry(stack).rows
+
+    def linear(self, x: torch.Tensor, row: int) -> torch.Tensor:
+        """``x @ stack[row].T`` for a contiguous CPU float32 ``x`` (``applies`` checked by the caller)."""
+        packed = self.rows.get(row)
+        if packed is None:
+            packed = _packed_row(self.stack, row)
+        return _LINEAR(x, packed, None, "none", [], "")
+
+
+def _entry(stack: torch.Tensor) -> _Packed:
+    """The cache entry of ``stack``, renewed when the stack was written or moved."""
     key = id(stack)
     entry = _cache.get(key)
     version, pointer = stack._version, stack.data_ptr()
@@ -102,6 +119,12 @@ def _packed_row(stack: torch.Tensor, row: int | None) -> torch.Tensor:
                 if key not in _cache:
                     weakref.finalize(stack, _forget, key)
                 entry = _cache[key] = _Packed(version, pointer)
+    return entry
+
+
+def _packed_row(stack: torch.Tensor, row: int | None) -> torch.Tensor:
+    """The packed copy of ``stack[row]`` (``row`` None: ``stack`` is the weight itself)."""
+    entry = _entry(stack)
     packed = entry.rows.get(row)
     if packed is None:
         weight = stack if row is None else stack[row]
@@ -115,3 +138,4 @@ def _forget(key: int) -> None:
 
 
 _AVAILABLE = available()
+_LINEAR = torch.ops.mkldnn._linear_pointwise.default if _AVAILABLE else None  # the overload: no per-call resolution

@@ -146,6 +146,11 @@ def plan_exchange_on_host(
         slot = np.where(kept_flat, slot, -1)
     slot = slot.reshape(num_tokens, top_k)
     valid = slot >= 0
+    if num_workers == 1 and valid.all():  # every assignment runs on the one worker: a row per token, as is
+        return ExchangePlan(num_tokens, 1, torch.from_numpy(slot), [num_tokens],
+                            np.bincount(slot.reshape(-1), minlength=slots_per_worker).tolist(),
+                            torch.arange(num_tokens), torch.from_numpy(slot.astype(np.int32)),
+                            torch.from_numpy(weights.astype(np.float32)))
     worker = slot // slots_per_worker  # [T, k]; -1 where not valid
     # Step 2: rows are the true cells of a presence matrix [W, T], worker-major, tokens ascending.
     sink = num_workers * num_tokens
