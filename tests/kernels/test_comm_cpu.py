@@ -23,6 +23,7 @@ import torch
 from torch import distributed
 
 from comm_harness import free_port, run_ranks, values
+from raymoe.kernels.comm import sockets as sockets_module
 from raymoe.kernels.comm import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -36,7 +37,22 @@ from raymoe.kernels.comm import (
 from timing import deadline_margin_s
 
 HOST = "127.0.0.1"
-TRANSPORTS = {"gloo": GlooCommunicator, "sockets": SocketCommunicator}
+
+
+class TcpSockets(SocketCommunicator):
+    """The sockets transport as between machines: TCP even where the ranks share one (where
+    they do, SocketCommunicator connects them over Unix sockets)."""
+
+    @classmethod
+    def create(cls, *args, **kwargs):
+        original, sockets_module._machine_id = sockets_module._machine_id, lambda: ""
+        try:
+            return super().create(*args, **kwargs)
+        finally:
+            sockets_module._machine_id = original
+
+
+TRANSPORTS = {"gloo": GlooCommunicator, "sockets": SocketCommunicator, "sockets_tcp": TcpSockets}
 TIMEOUT_S = 2.0
 DETECTION_BASE_S = 1.0  # on an idle machine a timeout is raised within TIMEOUT_S + this (tests/timing.py)
 
@@ -251,7 +267,8 @@ def test_dead_peer_raises_peer_lost_naming_it(transport):
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 def test_join_without_peers_fails_within_timeout(transport):
     started = time.monotonic()
-    with pytest.raises(CommError, match=f"could not join {transport} group 'lonely' of 2 ranks"):
+    name = TRANSPORTS[transport].backend_name
+    with pytest.raises(CommError, match=f"could not join {name} group 'lonely' of 2 ranks"):
         TRANSPORTS[transport].create(0, 2, HOST, free_port(), 1.0, group_name="lonely")
     elapsed = time.monotonic() - started
     margin = deadline_margin_s(DETECTION_BASE_S)
@@ -342,10 +359,33 @@ def test_sockets_refuse_a_connection_that_does_not_know_the_group():
     store = distributed.TCPStore(HOST, port, 2, False, timeout=datetime.timedelta(seconds=5))
     keys = distributed.PrefixStore("secret/abc", store)
     keys.wait(["address/0"], datetime.timedelta(seconds=5))
-    host, listen_port = keys.get("address/0").decode().rsplit("|", 1)
+    host, listen_port, local_name, _ = keys.get("address/0").decode().split("|")
+    if local_name:  # the same machine's Unix listener refuses a stranger as well
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stranger:
+            stranger.settimeout(5)
+            stranger.connect("\0" + local_name)
+            stranger.sendall(b"\x01" + b"\x00" * 7 + b"\x00" * 32)
+            assert stranger.recv(1) == b""
     with socket.create_connection((host, int(listen_port)), timeout=5) as stranger:
         stranger.sendall(b"\x01" + b"\x00" * 7 + b"\x00" * 32)  # rank 1, but a wrong digest
         stranger.settimeout(5)
         assert stranger.recv(1) == b""  # refused: closed without a word
     joiner.join(timeout=15)
     assert "comm" not in outcome and "could not join sockets group" in outcome.get("error", ""), outcome
+
+
+def connection_families(rank: int, world_size: int, port: int, transport: str) -> dict:
+    """Rank program: the address family of each of this rank's connections, and one exchange over them."""
+    comm = TRANSPORTS[transport].create(rank, world_size, HOST, port, TIMEOUT_S * 5, group_name="families")
+    received = comm.exchange_payload(torch.full((world_size, 3), rank, dtype=torch.int64), [1] * world_size,
+                                     [1] * world_size, tag="families")
+    families = sorted({connection.family.name for connection in comm._peers.values()})
+    comm.close()
+    return {"families": families, "received": received[:, 0].tolist()}
+
+
+@pytest.mark.skipif(not sockets_module._machine_id(), reason="no kernel boot id here: every connection is TCP")
+@pytest.mark.parametrize("transport, family", [("sockets", "AF_UNIX"), ("sockets_tcp", "AF_INET")])
+def test_ranks_on_one_machine_connect_over_unix_sockets_and_tcp_stays_for_the_rest(transport, family):
+    for result in values(run_ranks(connection_families, 3, (free_port(), transport), timeout_s=60)):
+        assert result == {"families": [family], "received": [0, 1, 2]}, result
