@@ -120,6 +120,8 @@ class RouterExchange:
         self.top_k, self.hidden_size, self.dtype, self.device = top_k, hidden_size, dtype, device
         self.combine_row_bytes = self.format.activation_bytes
         self._rank_of_worker = {w: layout.worker_rank(i) for i, w in enumerate(layout.participants)}
+        self._whole_group = set(self._rank_of_worker) == set(range(num_workers))  # no worker of the plan missing
+        self._tags: dict[int, tuple[str, int]] = {}  # layer -> (dispatch tag, its checksum)
 
     def exchange(self, layer: int, plan: ExchangePlan | None, hidden: torch.Tensor | None,
                  epoch: int) -> tuple[torch.Tensor | None, LayerTraffic]:
@@ -128,54 +130,70 @@ class RouterExchange:
         ``plan`` None: this router has nothing this step (zero rows to every worker).
         """
         started = time.perf_counter()
-        tag = layer_tag(layer, "dispatch")
-        counts = plan.send_counts if plan is not None else [0] * self.num_workers
-        outside = [w for w, n in enumerate(counts) if n and w not in self._rank_of_worker]
-        if outside:
-            raise CommError(f"layer {layer}: the plan sends rows to workers {outside}, which are not in the group")
+        tag, checksum = self._dispatch_tag(layer)
+        S = self.slots_per_worker
+        if plan is not None:
+            counts, slot_counts = plan.send_counts, plan.slot_counts
+        else:
+            counts, slot_counts = [0] * self.num_workers, [0] * (self.num_workers * S)
+        if not self._whole_group:
+            outside = [w for w, n in enumerate(counts) if n and w not in self._rank_of_worker]
+            if outside:
+                raise CommError(f"layer {layer}: the plan sends rows to workers {outside}, which are not in the group")
+        # Every worker's header in one tensor, one row each (one host-to-device copy on a GPU).
+        headers = torch.tensor([[counts[worker], checksum, epoch, KIND_STEP, *slot_counts[worker * S:(worker + 1) * S]]
+                                for worker in self._rank_of_worker], dtype=torch.int64)
+        if self.device.type != "cpu":
+            headers = headers.to(self.device)
         packed = None
         if plan is not None and plan.num_rows:
             rows = hidden.index_select(0, plan.row_token)  # [N, D]
             packed = torch.cat([rows.view(torch.uint8), plan.row_slots.view(torch.uint8),
                                 plan.row_weights.view(torch.uint8)], dim=1)  # [N, row_bytes]
-        sends, recvs, combines = [], [], []
-        start = 0
-        S = self.slots_per_worker
-        for worker, rank in self._rank_of_worker.items():
+        # One receive buffer for every worker's sums and trailer, in worker order.
+        row_bytes = self.combine_row_bytes
+        total = sum(counts[worker] for worker in self._rank_of_worker)
+        received = torch.empty(total * row_bytes + len(self._rank_of_worker) * TRAILER_BYTES, dtype=torch.uint8,
+                               device=self.device)
+        sends, recvs, sums = [], [], []
+        start = offset = 0
+        for index, (worker, rank) in enumerate(self._rank_of_worker.items()):
             count = counts[worker]
-            slot_counts = plan.slot_counts[worker * S:(worker + 1) * S] if plan is not None else [0] * S
-            sends.append((rank, _header(count, tag, epoch, KIND_STEP, slot_counts, self.device)))
+            sends.append((rank, headers[index]))
             if count:
                 sends.append((rank, packed[start:start + count]))
-            buffer = torch.empty(count * self.combine_row_bytes + TRAILER_BYTES, dtype=torch.uint8,
-                                 device=self.device)
-            recvs.append((rank, buffer))
-            combines.append((worker, start, count, buffer))
+                sums.append(received[offset:offset + count * row_bytes])
+            size = count * row_bytes + TRAILER_BYTES
+            recvs.append((rank, received[offset:offset + size]))
+            self._trailers.append((layer, rank, received[offset + size - TRAILER_BYTES:offset + size]))
             start += count
+            offset += size
         packed_at = time.perf_counter()
         self.comm.transfer(sends, recvs, tag=tag)
         exchanged_at = time.perf_counter()
-        partials = []
-        for worker, _, count, buffer in combines:
-            self._trailers.append((layer, self._rank_of_worker[worker], buffer[count * self.combine_row_bytes:]))
-            if count:
-                partials.append(buffer[:count * self.combine_row_bytes].view(self.dtype).view(count, -1))
         out = None
         if plan is not None:
-            if partials:
-                partial = partials[0] if len(partials) == 1 else torch.cat(partials)
+            if sums:
+                partial = (sums[0] if len(sums) == 1 else torch.cat(sums)).view(self.dtype).view(total, -1)
                 out = combine_partials(plan.num_tokens, plan.row_token, partial,
                                        min(self.top_k, len(self._rank_of_worker)))
             else:
                 out = hidden.new_zeros(plan.num_tokens, self.hidden_size)
         traffic = LayerTraffic(
             rows_per_worker=list(counts),
-            bytes_sent=sum(t.numel() * t.element_size() for _, t in sends),
-            bytes_received=sum(t.numel() for _, t in recvs),
+            bytes_sent=headers.numel() * 8 + total * self.format.row_bytes,
+            bytes_received=received.numel(),
             dispatch_s=packed_at - started,
             exchange_s=exchanged_at - packed_at,
         )
         return out, traffic
+
+    def _dispatch_tag(self, layer: int) -> tuple[str, int]:
+        cached = self._tags.get(layer)
+        if cached is None:
+            tag = layer_tag(layer, "dispatch")
+            cached = self._tags[layer] = (tag, tag_checksum(tag))
+        return cached
 
     def read_trailers(self) -> float:
         """The step's expert seconds (sum over layers of the slowest worker), checking every

@@ -23,7 +23,6 @@ Invariant: the ranks of a collective call it in the same order with the same tag
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -39,17 +38,27 @@ from raymoe.kernels.comm.layout import (
 )
 
 
-@dataclass(frozen=True)
 class Message:
-    """One buffer sent to, or received from, one peer. ``number`` is set by the communicator."""
+    """One buffer sent to, or received from, one peer. ``number`` is set by the communicator.
+    (A plain slotted class: one is made per message, several per MoE layer.)"""
 
-    peer: int
-    buffer: torch.Tensor  # contiguous; moved as bytes
-    number: int = -1
+    __slots__ = ("peer", "buffer", "number")
+
+    def __init__(self, peer: int, buffer: torch.Tensor, number: int = -1) -> None:
+        self.peer = peer
+        self.buffer = buffer  # flat uint8, contiguous; moved as bytes
+        self.number = number
+
+    def __repr__(self) -> str:
+        return f"Message(peer={self.peer}, bytes={self.buffer.numel()}, number={self.number})"
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (no copy)."""
+    if tensor.dtype == torch.uint8 and tensor.dim() == 1:
+        if not tensor.is_contiguous():
+            raise CommError("a message buffer must be contiguous (a flat uint8 tensor with gaps was given)")
+        return tensor
     return tensor.view(-1).view(torch.uint8)
 
 
@@ -132,16 +141,19 @@ class PointToPointCommunicator:
         """
         self._check_usable(tag)
         deadline = Deadline(self.timeout_s if timeout_s is None else timeout_s)
-        local_sends = {peer: tensor for peer, tensor in sends if peer == self.rank}
+        rank, sent, received = self.rank, self._sent, self._received
+        local_sends: dict[int, torch.Tensor] = {}
         remote_sends, remote_recvs = [], []
         for peer, tensor in sends:
-            if peer != self.rank:
-                self._check_peer(peer, tag)
-                self._check_device(tensor, tag)
-                remote_sends.append(Message(peer, as_bytes(tensor), self._sent[peer]))
-                self._sent[peer] += 1
+            if peer == rank:
+                local_sends[peer] = tensor
+                continue
+            self._check_peer(peer, tag)
+            self._check_device(tensor, tag)
+            remote_sends.append(Message(peer, as_bytes(tensor), sent[peer]))
+            sent[peer] += 1
         for peer, tensor in recvs:
-            if peer == self.rank:
+            if peer == rank:
                 source = local_sends.get(peer)
                 if source is None or source.numel() * source.element_size() != tensor.numel() * tensor.element_size():
                     raise CommError(f"collective {tag!r}: rank {self.rank} receives from itself what it did not send")
@@ -149,8 +161,8 @@ class PointToPointCommunicator:
                 continue
             self._check_peer(peer, tag)
             self._check_device(tensor, tag)
-            remote_recvs.append(Message(peer, as_bytes(tensor), self._received[peer]))
-            self._received[peer] += 1
+            remote_recvs.append(Message(peer, as_bytes(tensor), received[peer]))
+            received[peer] += 1
         if not remote_sends and not remote_recvs:
             return
         with self._issue_lock:

@@ -36,7 +36,6 @@ import socket
 import struct
 import sys
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as distributed
@@ -52,24 +51,26 @@ POLL_SLICE_S = 0.5  # a wait re-checks the communicator's state at least this of
 MAX_IOVECS = 512  # buffers per sendmsg (Linux takes up to 1024)
 
 
-@dataclass
-class _Outgoing:
-    views: list[memoryview]  # what is left to write: the header, then the bytes
-
-
-@dataclass
 class _Incoming:
-    message: Message
-    header: bytearray = field(default_factory=lambda: bytearray(HEADER.size))
-    header_got: int = 0
-    body: memoryview | None = None  # set once the header checked out
-    body_got: int = 0
+    """One message being read: its 16-byte frame header, then its body (plain slotted
+    classes here: a few are made per MoE layer)."""
+
+    __slots__ = ("message", "header", "header_got", "body", "body_got")
+
+    def __init__(self, message: Message) -> None:
+        self.message = message
+        self.header = bytearray(HEADER.size)
+        self.header_got = 0
+        self.body: memoryview | None = None  # set once the header checked out
+        self.body_got = 0
 
 
-@dataclass
 class _Pending:
-    sends: dict[int, deque] = field(default_factory=dict)  # peer -> _Outgoing, in order
-    recvs: dict[int, deque] = field(default_factory=dict)  # peer -> _Incoming, in order
+    __slots__ = ("sends", "recvs")
+
+    def __init__(self) -> None:
+        self.sends: dict[int, list[memoryview]] = {}  # peer -> what is left to write, frame headers and bodies in order
+        self.recvs: dict[int, deque] = {}  # peer -> _Incoming, in order
 
     @property
     def done(self) -> bool:
@@ -163,13 +164,22 @@ class SocketCommunicator(PointToPointCommunicator):
 
     def _post(self, sends: list[Message], recvs: list[Message], tag: str) -> _Pending:
         pending = _Pending()
+        incoming = pending.recvs
         for message in recvs:
-            pending.recvs.setdefault(message.peer, deque()).append(_Incoming(message))
+            queue = incoming.get(message.peer)
+            if queue is None:
+                queue = incoming[message.peer] = deque()
+            queue.append(_Incoming(message))
+        outgoing = pending.sends
         for message in sends:
-            header = memoryview(HEADER.pack(message.number, message.buffer.numel()))
-            views = [header, _view(message.buffer)] if message.buffer.numel() else [header]
-            pending.sends.setdefault(message.peer, deque()).append(_Outgoing(views))
-        for peer in list(pending.sends):  # most messages fit the socket buffer: out right away
+            size = message.buffer.numel()
+            views = outgoing.get(message.peer)
+            if views is None:
+                views = outgoing[message.peer] = []
+            views.append(memoryview(HEADER.pack(message.number, size)))
+            if size:
+                views.append(_view(message.buffer))
+        for peer in list(outgoing):  # most messages fit the socket buffer: out right away
             self._write(pending, peer, tag)
         return pending
 
@@ -213,30 +223,26 @@ class SocketCommunicator(PointToPointCommunicator):
     def _write(self, pending: _Pending, peer: int, tag: str) -> None:
         """Writes what ``peer``'s socket takes now of its queued messages: all of them in one
         ``sendmsg`` when they fit (a layer's header and rows wake the peer once, not twice)."""
-        queue = pending.sends[peer]
+        views = pending.sends[peer]
         connection = self._peers[peer]
-        while queue:
-            views = [view for outgoing in queue for view in outgoing.views][:MAX_IOVECS]
+        while views:
+            batch = views if len(views) <= MAX_IOVECS else views[:MAX_IOVECS]
             try:
-                sent = connection.sendmsg(views)
+                sent = connection.sendmsg(batch)
             except BlockingIOError:
                 return
             except OSError as error:
                 raise self._lost(peer, tag, f"sending failed: {first_line(error)}") from error
-            complete = sent == sum(len(view) for view in views)
-            while sent:
-                outgoing = queue[0]
-                view = outgoing.views[0]
-                if sent >= len(view):
-                    sent -= len(view)
-                    outgoing.views.pop(0)
-                    if not outgoing.views:
-                        queue.popleft()
-                else:
-                    outgoing.views[0] = view[sent:]
-                    sent = 0
-            if not complete:
-                return  # the socket is full: the rest when it is writable again
+            written = 0  # whole views written
+            while written < len(batch) and sent >= len(batch[written]):
+                sent -= len(batch[written])
+                written += 1
+            del views[:written]
+            if sent:  # a view written in part: the socket is full, the rest when it is writable again
+                views[0] = views[0][sent:]
+                return
+            if written < len(batch):
+                return
         del pending.sends[peer]
 
     def _read(self, pending: _Pending, peer: int, tag: str) -> None:
