@@ -28,7 +28,7 @@ from raymoe.engine.engine import resolve_dtype
 from raymoe.actors.cpu_affinity import pin_current_thread
 from raymoe.actors.devices import actor_cuda_device
 from raymoe.engine.ep_exchange import GroupLayout, WorkerExchange
-from raymoe.engine.host_memory import keep_freed_memory
+from raymoe.engine.host_memory import allocator_in_use, keep_freed_memory
 from raymoe.engine.weights import load_expert_stack
 from raymoe.kernels import packed_linear
 from raymoe.kernels.comm import CommBackend, make_communicator, new_rendezvous
@@ -112,6 +112,7 @@ class ExpertWorker:
             "node_id": ray.get_runtime_context().get_node_id(),
             "compute_threads": self.threads,
             "pinned_core": self.pinned_core,
+            "allocator": allocator_in_use(),  # cpu.allocator (engine/host_memory.py)
             "niceness": os.nice(0),
             "epochs": sorted(self.slot_rows),
             "experts": self.experts[latest],

@@ -26,6 +26,7 @@ from raymoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from raymoe.actors.cpu_affinity import pin_current_thread
 from raymoe.actors.devices import actor_cuda_device
 from raymoe.engine.ep_exchange import GroupLayout, RouterExchange
+from raymoe.engine.host_memory import allocator_in_use
 from raymoe.engine.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from raymoe.engine.remote_experts import RemoteExperts
 from raymoe.engine.sampling_params import SamplingParams
@@ -463,7 +464,7 @@ class Router:
     def info(self) -> dict[str, Any]:
         return {"router": self.router_id, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "threads": threading.active_count(), "compute_threads": torch.get_num_threads(),
-                "pinned_core": self.pinned_core,
+                "pinned_core": self.pinned_core, "allocator": allocator_in_use(),
                 "niceness": os.nice(0),
                 "recoveries": self.recoveries, "comm_generation": self.comm_generation,
                 "last_failure": self.last_failure}

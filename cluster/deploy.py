@@ -30,6 +30,7 @@ from raymoe.cluster.config import ClusterConfig
 from raymoe.cluster.ray_connect import connect, requested_address
 from raymoe.engine.checkpoint import Checkpoint
 from raymoe.engine.engine import EngineConfig, RequestOutput
+from raymoe.engine.host_memory import allocator_env
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.scheduler import SchedulerConfig
 from raymoe.engine.weights import validate_checkpoint
@@ -232,11 +233,15 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     spare_rows = min(placement.slots_per_worker, balancer.max_copies_per_rebalance) if balancer.enabled else 0
     worker_class = ray.remote(ExpertWorker)
     threads = [None if gpus else config.cpu.worker_threads] * config.expert_workers
+    # CPU actors: the malloc they start with (engine/host_memory.py; jemalloc where found).
+    cpu_env = {} if gpus else allocator_env(config.cpu.allocator.value)
+    runtime_env = {"runtime_env": {"env_vars": cpu_env}} if cpu_env else {}
     workers = [
         worker_class.options(
             num_cpus=0 if gpus else CPU_SLIVER, num_gpus=1 if gpus else 0, max_concurrency=concurrency,
             max_restarts=-1,  # a crashed worker is restarted; the controller reloads its experts
             name=f"{name}-worker-{w}", namespace=namespace, scheduling_strategy=PlacementGroupSchedulingStrategy(group, w // per_node),
+            **runtime_env,
         ).remote(w, config.model, config.dtype.value, "cuda" if gpus else "cpu", placement.to_dict(), spare_rows,
                  threads[w], config.cpu.packed_experts, _pin_core(config, gpus, config.cpu.worker_threads, w))
         for w in range(config.expert_workers)
@@ -248,7 +253,7 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
             # Calls return at once (requests and aborts wait in the router's inbox), except one
             # subscription stream per ingress replica and run-batch's generate calls.
             max_concurrency=ROUTER_CONCURRENCY, max_restarts=-1,
-            name=f"{name}-router-{r}", namespace=namespace,
+            name=f"{name}-router-{r}", namespace=namespace, **runtime_env,
         ).remote(f"router-{r}", config.model, engine_config(config), placement.to_dict(), workers,
                  backend.value, config.comm.timeout_s, r, config.routers,
                  None if gpus else config.cpu.router_threads, _pin_core(config, gpus, config.cpu.router_threads, r))

@@ -13,12 +13,13 @@ import torch
 from ep_helpers import GREEDY, cluster_config, prompts, reference_engine
 from raymoe.cluster.deploy import deploy
 from raymoe.engine.engine import EngineConfig, LLMEngine
+from raymoe.engine.host_memory import jemalloc_path
 from timing import deadline_margin_s
 
 CASES = {
     # strategy, redundant slots, expert workers, routers
-    "contiguous-2w-1r-unpinned": dict(placement={"strategy": "contiguous"}, expert_workers=2, routers=1,
-                                      cpu={"pin_threads": False}),
+    "contiguous-2w-1r-unpinned-system-malloc": dict(placement={"strategy": "contiguous"}, expert_workers=2,
+                                                    routers=1, cpu={"pin_threads": False, "allocator": "system"}),
     "round_robin-3w-2r-redundant": dict(
         placement={"strategy": "round_robin", "redundant_slots_per_worker": 1}, expert_workers=3, routers=2),
     "explicit-4w-2r-redundant": dict(
@@ -78,6 +79,12 @@ def test_outputs_equal_the_in_process_engine(case, ray_session, reference, tiny_
             cores[w % len(cores)] if pinned and threads == 1 else None for w in range(workers)]
         assert [ray.get(r.info.remote())["pinned_core"] for r in deployment.routers] == [
             cores[r % len(cores)] if pinned else None for r in range(len(deployment.routers))]
+        # cpu.allocator (default jemalloc, where a library is found): every actor process runs on it,
+        # and the outputs above are the same either way.
+        wanted = CASES[case].get("cpu", {}).get("allocator", "jemalloc")
+        expected = "jemalloc" if wanted == "jemalloc" and jemalloc_path() else "system"
+        assert {i["allocator"] for i in infos} | {ray.get(r.info.remote())["allocator"]
+                                                  for r in deployment.routers} == {expected}
         # Replicas share their expert's tokens: every replica slot of a replicated expert served.
         slot_tokens = torch.tensor([t["slot_tokens"] for t in telemetry]).sum(0)  # [L, P]
         placement = deployment.placement

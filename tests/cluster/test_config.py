@@ -262,3 +262,10 @@ def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
     with pytest.raises(ValueError, match=r"^<config>: routers"):
         parse_cluster_config({"model": "/m", "routers": True})
+
+
+def test_cpu_allocator_defaults_to_jemalloc_and_names_a_bad_value():
+    assert parse_cluster_config({"model": "/m"}).cpu.allocator.value == "jemalloc"
+    assert parse_cluster_config({"model": "/m", "cpu": {"allocator": "system"}}).cpu.allocator.value == "system"
+    with pytest.raises(ConfigError, match=r"cpu\.allocator"):
+        parse_cluster_config({"model": "/m", "cpu": {"allocator": "tcmalloc"}})

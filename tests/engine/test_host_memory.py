@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from raymoe.engine import host_memory
 from tiny_models import build_reference_model, write_checkpoint
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's parameters are glibc's")
@@ -37,7 +38,8 @@ before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(20):
     engine.step()
 faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20
-print(json.dumps({"tuned": bool(host_memory._applied), "faults_per_step": faults}))
+print(json.dumps({"tuned": bool(host_memory._applied), "faults_per_step": faults,
+                  "allocator": host_memory.allocator_in_use()}))
 """
 
 
@@ -63,3 +65,16 @@ def test_cpu_engine_decode_steps_reuse_freed_memory(checkpoint):
     # tuned, a warm step faults almost never (~23, from the sequences' growing state).
     assert untuned["faults_per_step"] > 400, untuned
     assert tuned["faults_per_step"] < 100, tuned
+
+
+@pytest.mark.skipif(host_memory.jemalloc_path() is None, reason="no jemalloc library on this machine")
+def test_jemalloc_preloaded_as_a_cpu_deployment_starts_its_actors(checkpoint):
+    # What deploy gives a CPU router or worker process by default (cpu.allocator: jemalloc).
+    env = host_memory.allocator_env("jemalloc")
+    assert env == {"LD_PRELOAD": host_memory.jemalloc_path()}
+    assert host_memory.allocator_env("system") == {}
+    preloaded = _probe(checkpoint, **env)
+    assert preloaded["allocator"] == "jemalloc"
+    assert preloaded["tuned"] is False  # glibc's malloc is not in use: its thresholds are left alone
+    assert preloaded["faults_per_step"] < 100, preloaded  # jemalloc keeps freed pages for reuse as well
+    assert _probe(checkpoint)["allocator"] == "system"
