@@ -60,6 +60,12 @@ def routing(tokens: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor
     return hidden, ids, torch.rand(tokens, TOP_K, generator=generator)
 
 
+def plan_layer(placement, ids: list[torch.Tensor], weights: torch.Tensor, layer: int, step: int):
+    """The router's plan of one layer (the routing cycles through the layers' choices step by step)."""
+    return plan_exchange_on_host(ids[(layer + step) % LAYERS], weights, None, placement.log2phy[layer],
+                                 placement.logcnt[layer], EXPERTS, 1)
+
+
 def recv_exactly(connection: socket.socket, view: memoryview) -> None:
     got = 0
     while got < len(view):
@@ -95,8 +101,7 @@ def floor_router(connection: socket.socket, tokens: int, steps: int) -> list[flo
     for step in range(steps):
         started = time.perf_counter()
         for layer in range(LAYERS):
-            plan = plan_exchange_on_host(ids[(layer + step) % LAYERS], weights, None, placement.log2phy[layer],
-                                         placement.logcnt[layer], EXPERTS, 1)
+            plan = plan_layer(placement, ids, weights, layer, step)
             rows = hidden.index_select(0, plan.row_token)
             packed = torch.cat([rows.view(torch.uint8), plan.row_slots.view(torch.uint8),
                                 plan.row_weights.view(torch.uint8)], dim=1)
@@ -126,8 +131,7 @@ def exchange_router(comm: SocketCommunicator, tokens: int, steps: int) -> list[f
     for step in range(steps):
         started = time.perf_counter()
         for layer in range(LAYERS):
-            plan = plan_exchange_on_host(ids[(layer + step) % LAYERS], weights, None, placement.log2phy[layer],
-                                         placement.logcnt[layer], EXPERTS, 1)
+            plan = plan_layer(placement, ids, weights, layer, step)
             exchange.exchange(layer, plan, hidden, placement.epoch)
         exchange.read_trailers()
         times.append(time.perf_counter() - started)
