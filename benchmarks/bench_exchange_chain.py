@@ -34,7 +34,6 @@ import torch
 
 from raymoe.engine.ep_exchange import GroupLayout, RouterExchange, WorkerExchange
 from raymoe.engine.experts import combine_partials, run_rows
-from raymoe.kernels.comm import sockets as sockets_module
 from raymoe.kernels.comm.factory import free_port
 from raymoe.kernels.comm.sockets import SocketCommunicator
 from raymoe.moe.exchange_plan import plan_exchange_on_host
@@ -186,13 +185,8 @@ def run(mode: str, tokens: int, steps: int) -> float:
 
 
 def connect(mode: str, rank: int, port: int) -> SocketCommunicator:
-    machine = sockets_module._machine_id
-    if mode == "sockets-tcp":
-        sockets_module._machine_id = lambda: ""  # as between two machines
-    try:
-        return SocketCommunicator.create(rank, 2, "127.0.0.1", port, 60.0, group_name=f"chain-{port}")
-    finally:
-        sockets_module._machine_id = machine
+    return SocketCommunicator.create(rank, 2, "127.0.0.1", port, 60.0, group_name=f"chain-{port}",
+                                     local_connections=mode != "sockets-tcp")  # TCP: as between two machines
 
 
 def main() -> None:

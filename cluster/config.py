@@ -188,8 +188,8 @@ class CpuSection(_Section):
     turns with share a core, so their hand-offs are same-core wake-ups; only for actors that
     compute on one thread (``router_threads`` / ``worker_threads`` 1).
     ``allocator``: ``jemalloc`` starts the router and worker processes with jemalloc preloaded
-    (engine/host_memory.py: a decode step allocates a few hundred small tensors; measured 5-10%
-    off a step here), where a jemalloc library is found; ``system`` keeps the C library's."""
+    (engine/host_memory.py: a decode step allocates a few hundred small tensors; measured 1-7%
+    off a served step here), where a jemalloc library is found; ``system`` keeps the C library's."""
 
     router_threads: Positive = 1
     worker_threads: Positive = 1

@@ -22,7 +22,8 @@ vLLM's CPU build and Intel's PyTorch guides advise. Each eager op of a decode st
 its output (a few hundred small tensors a step, through ``posix_memalign``), and glibc's
 aligned allocation splits and coalesces chunks on every call: 7-8% of a two-process decode
 chain's CPU here was glibc's malloc and free (``perf``). Preloading Ray's own copy of jemalloc
-took 5-13% off a step (benchmarks/bench_exchange_chain.py, bench_served_phases.py). The
+took 9-11% off that chain's step at one token (benchmarks/bench_exchange_chain.py under
+``LD_PRELOAD``) and 1-7% off a served step (docs/BENCHMARKS.md). The
 library is looked up where the deployment is made; a node that lacks it at that path runs
 with its C library's malloc (the loader says so in the actor's log and goes on). Like the
 thresholds above, it never changes what a computation produces.

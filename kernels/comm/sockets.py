@@ -21,9 +21,9 @@ group's name (which carries the group's secret), connects to each lower rank and
 each higher one. A connection starts with the connecting rank and a digest of the group
 name, so a stranger's connection is refused. Ranks on the same machine (the same kernel boot
 id) connect over a Unix socket instead (Linux's abstract namespace, named after that digest):
-the same stream without the TCP stack, measured 8% off a decode step of one router and one
-worker on one core (benchmarks/bench_served_phases.py); where that connection cannot be made
-(another network namespace), TCP as elsewhere.
+the same stream without the TCP stack, measured 5-8% off the 4-layer exchange of one router
+and one worker on one core at one token (benchmarks/bench_exchange_chain.py, which also runs
+it over TCP); where that connection cannot be made (another network namespace), TCP as elsewhere.
 """
 
 from __future__ import annotations
@@ -96,10 +96,13 @@ class SocketCommunicator(PointToPointCommunicator):
 
     @classmethod
     def create(cls, rank: int, world_size: int, host: str, port: int, timeout_s: float, *,
-               group_name: str = "raymoe", bind_host: str | None = None) -> "SocketCommunicator":
+               group_name: str = "raymoe", bind_host: str | None = None,
+               local_connections: bool = True) -> "SocketCommunicator":
         """Joins the group whose rendezvous server rank 0 hosts at host:port; blocks until
         this rank is connected to every other, at most ``timeout_s``. ``bind_host``: the
-        address this rank listens on for higher ranks (its node's; default ``host``)."""
+        address this rank listens on for higher ranks (its node's; default ``host``).
+        ``local_connections`` False: TCP to every rank, as between machines, even to ranks on
+        this one (tests and benchmarks of the TCP path)."""
         validate_group(rank, world_size)
         timeout_s = validate_timeout(timeout_s)
         deadline = Deadline(timeout_s)
@@ -112,7 +115,7 @@ class SocketCommunicator(PointToPointCommunicator):
             digest = hashlib.sha256(group_name.encode()).digest()
             listener = listen(bind_host or host, 0)
             own_host, own_port = listener.getsockname()[:2]
-            machine = _machine_id()
+            machine = _machine_id() if local_connections else ""
             local_name = f"raymoe-{digest.hex()[:32]}-{rank}" if machine else ""
             local = _listen_local(local_name) if local_name else None
             keys.set(f"address/{rank}", f"{own_host}|{own_port}|{local_name if local else ''}|{machine}")
@@ -128,12 +131,17 @@ class SocketCommunicator(PointToPointCommunicator):
                 _tune(connection)
                 connection.sendall(HELLO.pack(rank, digest))
                 peers[peer] = connection
+            listeners = {listener.fileno(): listener}
+            if local is not None:
+                listeners[local.fileno()] = local
+            accepting = select.poll()  # (poll, not select: a busy process's descriptors may pass 1024)
+            for fd in listeners:
+                accepting.register(fd, select.POLLIN)
             while len(peers) < world_size - 1:  # accept every higher rank, on either listener
-                ready, _, _ = select.select([listener] + ([local] if local else []), [], [],
-                                            max(deadline.remaining_s(), 0.001))
+                ready = accepting.poll(1000 * max(deadline.remaining_s(), 0.001))
                 if not ready:
                     raise TimeoutError(f"ranks {sorted(set(range(rank + 1, world_size)) - set(peers))} did not connect")
-                connection, _ = ready[0].accept()
+                connection, _ = listeners[ready[0][0]].accept()
                 connection.settimeout(max(deadline.remaining_s(), 0.001))
                 hello = _receive_exactly(connection, HELLO.size)
                 other, their_digest = HELLO.unpack(hello)

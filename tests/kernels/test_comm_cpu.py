@@ -45,11 +45,7 @@ class TcpSockets(SocketCommunicator):
 
     @classmethod
     def create(cls, *args, **kwargs):
-        original, sockets_module._machine_id = sockets_module._machine_id, lambda: ""
-        try:
-            return super().create(*args, **kwargs)
-        finally:
-            sockets_module._machine_id = original
+        return super().create(*args, local_connections=False, **kwargs)
 
 
 TRANSPORTS = {"gloo": GlooCommunicator, "sockets": SocketCommunicator, "sockets_tcp": TcpSockets}
