@@ -25,7 +25,7 @@ from concurrent.futures import Executor
 import torch
 import torch.nn.functional as F
 
-from raymoe.kernels import packed_linear
+from raymoe.kernels import native_experts, packed_linear
 
 
 def grouped_swiglu(
@@ -78,8 +78,8 @@ def _grouped_swiglu_loop(
     different experts are what uses a second core (measured on 2 CPU cores, 8 experts, sgemm:
     1 row each 3.7 -> 2.1 ms per 4 layers).
     """
+    x = x.contiguous()
     out = torch.empty_like(x)
-    intermediate = w2.shape[2]
     jobs, start = [], 0
     for slot, count in enumerate(counts):
         if count:
@@ -93,23 +93,11 @@ def _grouped_swiglu_loop(
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             run_jobs(part)
 
-    # CPU float32: oneDNN over prepacked weights, each stack's packed rows looked up once per call
-    packed = packed_linear.applies(x, w13) and packed_linear.applies(x, w2)
-    packed13 = packed_linear.PackedStack(w13) if packed else None
-    packed2 = packed_linear.PackedStack(w2) if packed else None
-    x = x.contiguous()
-
-    def run_jobs(part: list[tuple[int, int, int]]) -> None:
-        for row, begin, end in part:
-            if packed:
-                gate_up = packed13.linear(x[begin:end], row)  # [n, 2I]
-                hidden = F.silu(gate_up[:, :intermediate], inplace=True).mul_(gate_up[:, intermediate:])  # [n, I]
-                out[begin:end] = packed2.linear(hidden.contiguous(), row)  # [n, D]
-            else:
-                gate_up = F.linear(x[begin:end], w13[row])
-                hidden = F.silu(gate_up[:, :intermediate], inplace=True).mul_(gate_up[:, intermediate:])
-                torch.mm(hidden, w2[row].t(), out=out[begin:end])  # [n, D], written in place
-
+    if native_experts.applies(x, w13, w2):  # CPU float32 on AVX-512F: the whole layer in one native call
+        def run_jobs(part: list[tuple[int, int, int]]) -> None:
+            native_experts.swiglu_jobs(x, out, w13, w2, part)
+    else:
+        run_jobs = _torch_jobs(x, out, w13, w2)
     if executor is None or len(jobs) < 2:
         run_jobs(jobs)  # on this thread, in its own modes
         return out
@@ -122,6 +110,28 @@ def _grouped_swiglu_loop(
     finally:
         other.result()  # its error, if any, is this call's; and `out` is complete only now
     return out
+
+
+def _torch_jobs(x: torch.Tensor, out: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
+    """The per-expert loop in torch: one fused gate/up GEMM and one down GEMM per job."""
+    intermediate = w2.shape[2]
+    # CPU float32: oneDNN over prepacked weights, each stack's packed rows looked up once per call
+    packed = packed_linear.applies(x, w13) and packed_linear.applies(x, w2)
+    packed13 = packed_linear.PackedStack(w13) if packed else None
+    packed2 = packed_linear.PackedStack(w2) if packed else None
+
+    def run_jobs(part: list[tuple[int, int, int]]) -> None:
+        for row, begin, end in part:
+            if packed:
+                gate_up = packed13.linear(x[begin:end], row)  # [n, 2I]
+                hidden = F.silu(gate_up[:, :intermediate], inplace=True).mul_(gate_up[:, intermediate:])  # [n, I]
+                out[begin:end] = packed2.linear(hidden.contiguous(), row)  # [n, D]
+            else:
+                gate_up = F.linear(x[begin:end], w13[row])
+                hidden = F.silu(gate_up[:, :intermediate], inplace=True).mul_(gate_up[:, intermediate:])
+                torch.mm(hidden, w2[row].t(), out=out[begin:end])  # [n, D], written in place
+
+    return run_jobs
 
 
 def _use_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:

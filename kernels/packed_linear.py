@@ -46,7 +46,7 @@ _lock = threading.RLock()
 class _Packed:
     version: int
     data_ptr: int
-    rows: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    rows: dict[int | str | None, torch.Tensor] = field(default_factory=dict)  # str: other kernels' layouts
 
 
 _cache: dict[int, _Packed] = {}  # id(stack) -> its packed rows
@@ -105,6 +105,13 @@ class PackedStack:
         if packed is None:
             packed = _packed_row(self.stack, row)
         return _LINEAR(x, packed, None, "none", [], "")
+
+
+def cached_rows(stack: torch.Tensor) -> dict:
+    """The cache of derived copies of ``stack``, emptied when the stack is written or moved and
+    dropped with it: packed rows by row index here, whole-stack layouts of other kernels by
+    name (kernels/native_experts.py)."""
+    return _entry(stack).rows
 
 
 def _entry(stack: torch.Tensor) -> _Packed:

@@ -14,6 +14,8 @@ from ep_helpers import GREEDY, cluster_config, prompts, reference_engine
 from raymoe.cluster.deploy import deploy
 from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.host_memory import jemalloc_path
+from raymoe.kernels import native_experts
+from raymoe.moe.model_config import load_model_config
 from timing import deadline_margin_s
 
 CASES = {
@@ -85,6 +87,13 @@ def test_outputs_equal_the_in_process_engine(case, ray_session, reference, tiny_
         expected = "jemalloc" if wanted == "jemalloc" and jemalloc_path() else "system"
         assert {i["allocator"] for i in infos} | {ray.get(r.info.remote())["allocator"]
                                                   for r in deployment.routers} == {expected}
+        # Every worker runs its experts on the kernel the in-process reference takes here (so the
+        # parity above compared like with like): the native one on an AVX-512F machine with a compiler.
+        config = load_model_config(tiny_mixtral_dir)
+        hidden, inter = config.hidden_size, config.moe_intermediate_size
+        kernel = native_experts.kernel_name(torch.empty(1, hidden), torch.empty(1, 2 * inter, hidden),
+                                            torch.empty(1, hidden, inter))
+        assert {i["expert_kernel"] for i in infos} == {kernel}
         # Replicas share their expert's tokens: every replica slot of a replicated expert served.
         slot_tokens = torch.tensor([t["slot_tokens"] for t in telemetry]).sum(0)  # [L, P]
         placement = deployment.placement

@@ -1,0 +1,154 @@
+"""The native SwiGLU expert kernel (kernels/native_experts.py) against a float64 reference and oneDNN."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raymoe.kernels import native_experts, packed_linear
+from raymoe.kernels.expert_mlp import grouped_swiglu
+
+
+def _cpu_has_avx512f() -> bool:
+    with open("/proc/cpuinfo") as handle:
+        return " avx512f" in handle.read()
+
+
+CAN_RUN = sys.platform.startswith("linux") and shutil.which(os.environ.get("CC") or "cc") is not None \
+    and os.path.exists("/proc/cpuinfo") and _cpu_has_avx512f() and packed_linear.available()
+needs_kernel = pytest.mark.skipif(not CAN_RUN, reason="needs Linux, a C compiler, AVX-512F and torch's oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def _switches_on():
+    native_experts.set_enabled(True)
+    packed_linear.set_enabled(True)
+    yield
+    native_experts.set_enabled(True)
+    packed_linear.set_enabled(True)
+
+
+def _stacks(experts: int, hidden: int, intermediate: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(experts, 2 * intermediate, hidden, generator=generator) / hidden ** 0.5
+    w2 = torch.randn(experts, hidden, intermediate, generator=generator) / intermediate ** 0.5
+    return w13, w2
+
+
+def _reference(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor, slot_rows: list[int]):
+    out, start, inter = [], 0, w2.shape[2]
+    for slot, count in enumerate(counts):
+        rows = x[start:start + count].double()
+        gate_up = rows @ w13[slot_rows[slot]].double().T
+        out.append((F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ w2[slot_rows[slot]].double().T)
+        start += count
+    return torch.cat(out)
+
+
+@needs_kernel
+def test_the_kernel_builds_and_runs_where_the_machine_allows_it():
+    assert native_experts.unavailable_reason() is None
+    w13, w2 = _stacks(2, 64, 48)
+    assert native_experts.kernel_name(torch.randn(3, 64), w13, w2) == native_experts.KERNEL
+
+
+@needs_kernel
+@pytest.mark.parametrize("hidden,intermediate", [(64, 48), (256, 512), (96, 32)])
+@pytest.mark.parametrize("counts", [[1, 0, 2, 0], [8, 3, 0, 9], [40, 1, 33, 0]])  # row blocks of 8, chunks of 32
+def test_matches_a_float64_reference_and_onednn(hidden, intermediate, counts):
+    w13, w2 = _stacks(6, hidden, intermediate)
+    slot_rows = [5, 0, 3, 2]  # slots served by other stacked rows, as while a migration stages experts
+    x = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(1))
+    assert native_experts.applies(x, w13, w2)
+    native = grouped_swiglu(x, counts, w13, w2, slot_rows)
+    reference = _reference(x, counts, w13, w2, slot_rows)
+    torch.testing.assert_close(native.double(), reference, rtol=1e-5, atol=2e-6)
+    native_experts.set_enabled(False)
+    assert native_experts.kernel_name(x, w13, w2) == "onednn"
+    onednn = grouped_swiglu(x, counts, w13, w2, slot_rows)
+    torch.testing.assert_close(native, onednn, rtol=1e-5, atol=2e-6)
+    assert not torch.equal(native, onednn)  # (it is another kernel: the switch did switch)
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it_or_the_threads():
+    w13, w2 = _stacks(3, 64, 96)
+    x = torch.randn(45, 64, generator=torch.Generator().manual_seed(2))
+    together = grouped_swiglu(x, [45, 0, 0], w13, w2, [1, 0, 2])
+    for rows in (1, 2, 7, 8, 9, 31, 32, 33):
+        for first in (0, 45 - rows, 5):
+            if first + rows <= 45:
+                alone = grouped_swiglu(x[first:first + rows], [rows, 0, 0], w13, w2, [1, 0, 2])
+                assert torch.equal(alone, together[first:first + rows]), (first, rows)
+    split = grouped_swiglu(x, [20, 25, 0], w13, w2, [1, 1, 2], executor=ThreadPoolExecutor(1))
+    assert torch.equal(split, together)
+
+
+@needs_kernel
+def test_a_stack_written_in_place_is_packed_again():
+    w13, w2 = _stacks(2, 64, 48)
+    x = torch.randn(4, 64)
+    before = grouped_swiglu(x, [4, 0], w13, w2)
+    w13[0].mul_(2.0)  # a migration staging an expert writes the stack in place
+    w2[0].mul_(0.5)
+    after = grouped_swiglu(x, [4, 0], w13, w2)
+    torch.testing.assert_close(after.double(), _reference(x, [4, 0], w13, w2, [0, 1]), rtol=1e-5, atol=2e-6)
+    assert not torch.equal(before, after)
+
+
+def test_shapes_dtypes_and_the_switch_it_does_not_take_go_to_onednn_or_torch():
+    w13, w2 = _stacks(2, 48, 48)  # hidden not a multiple of 32
+    x = torch.randn(3, 48)
+    assert not native_experts.applies(x, w13, w2)
+    assert native_experts.kernel_name(x, w13, w2) == ("onednn" if packed_linear.available() else "torch")
+    w13, w2 = _stacks(2, 64, 40)  # intermediate not a multiple of 16
+    assert not native_experts.applies(torch.randn(3, 64), w13, w2)
+    w13, w2 = _stacks(2, 64, 48)
+    assert not native_experts.applies(torch.randn(3, 64).bfloat16(), w13.bfloat16(), w2.bfloat16())
+    assert native_experts.kernel_name(torch.randn(3, 64).bfloat16(), w13.bfloat16(), w2.bfloat16()) == "torch"
+    native_experts.set_enabled(False)
+    assert not native_experts.applies(torch.randn(3, 64), w13, w2)
+    assert "turned off" in native_experts.unavailable_reason()
+
+
+def test_without_a_compiler_experts_run_on_onednn_and_say_why(tmp_path):
+    """A fresh process with no compiler and an empty build directory: the reason names the
+    compiler, and grouped_swiglu still returns the right rows."""
+    script = textwrap.dedent("""
+        import torch, torch.nn.functional as F
+        from raymoe.kernels import native_experts
+        from raymoe.kernels.expert_mlp import grouped_swiglu
+        w13, w2 = torch.randn(2, 96, 64) / 8, torch.randn(2, 64, 48) / 7
+        x = torch.randn(5, 64)
+        out = grouped_swiglu(x, [2, 3], w13, w2)
+        gate_up = x[2:] @ w13[1].T
+        torch.testing.assert_close(out[2:], (F.silu(gate_up[:, :48]) * gate_up[:, 48:]) @ w2[1].T, rtol=1e-5, atol=1e-5)
+        print("REASON:", native_experts.unavailable_reason())
+        print("KERNEL:", native_experts.kernel_name(x, w13, w2))
+    """)
+    env = dict(os.environ, CC="raymoe-no-such-compiler", RAYMOE_NATIVE_DIR=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "REASON: no C compiler ('raymoe-no-such-compiler' not found; set CC)" in result.stdout
+    assert "KERNEL: onednn" in result.stdout or ("KERNEL: torch" in result.stdout and not packed_linear.available())
+    assert "native expert kernel unavailable" in result.stderr  # logged once, with the reason
+    assert not list(tmp_path.iterdir())
+
+
+@needs_kernel
+def test_the_library_is_built_once_into_the_build_directory(tmp_path):
+    script = "from raymoe.kernels import native_experts; print(native_experts.unavailable_reason())"
+    env = dict(os.environ, RAYMOE_NATIVE_DIR=str(tmp_path))
+    for _ in range(2):
+        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert result.stdout.strip() == "None", result.stderr
+        built = [path.name for path in tmp_path.iterdir()]
+        assert len(built) == 1 and built[0].startswith("swiglu_experts-") and built[0].endswith(".so"), built
