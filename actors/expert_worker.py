@@ -30,7 +30,7 @@ from raymoe.actors.devices import actor_cuda_device
 from raymoe.engine.ep_exchange import GroupLayout, WorkerExchange
 from raymoe.engine.host_memory import allocator_in_use, keep_freed_memory
 from raymoe.engine.weights import load_expert_stack
-from raymoe.kernels import native_experts, packed_linear
+from raymoe.kernels import native_cpu, packed_linear
 from raymoe.kernels.comm import CommBackend, make_communicator, new_rendezvous
 from raymoe.kernels.comm.base import Communicator
 from raymoe.moe.model_config import load_model_config
@@ -69,8 +69,8 @@ class ExpertWorker:
         self.steps_served = 0
         self.step_stats: deque = deque(maxlen=1000)  # per step: rows, assignments, compute seconds
         self.load_placement(placement)
-        # The kernel its experts run on (kernels/native_experts.py), built now rather than in the first step.
-        self.expert_kernel = native_experts.kernel_name(torch.empty(1, self.config.hidden_size, dtype=self.dtype,
+        # The kernel its experts run on (kernels/native_cpu.py), built now rather than in the first step.
+        self.expert_kernel = native_cpu.kernel_name(torch.empty(1, self.config.hidden_size, dtype=self.dtype,
                                                                     device=self.device), self.w13[0], self.w2[0])
 
     def load_placement(self, placement: dict[str, Any]) -> None:
@@ -116,7 +116,7 @@ class ExpertWorker:
             "compute_threads": self.threads,
             "pinned_core": self.pinned_core,
             "allocator": allocator_in_use(),  # cpu.allocator (engine/host_memory.py)
-            "expert_kernel": self.expert_kernel,  # native-avx512, onednn or torch (kernels/native_experts.py)
+            "expert_kernel": self.expert_kernel,  # native-avx512, onednn or torch (kernels/native_cpu.py)
             "niceness": os.nice(0),
             "epochs": sorted(self.slot_rows),
             "experts": self.experts[latest],

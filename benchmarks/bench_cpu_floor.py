@@ -25,6 +25,11 @@ model's shapes (the random Mixtral of bench_vs_vllm: hidden 256, expert intermed
     share a core (cluster config ``cpu.pin_threads``). Baseline: the same Unix socket round
     trip with the two processes pinned to two different cores; then both on one core.
 
+(6) **The native expert kernel.** A step's experts through ``grouped_swiglu`` (one call per
+    layer, as a worker makes it) at 1 and 8 rows an expert: oneDNN over prepacked weights, a
+    Python loop of GEMM calls (baseline), vs raymoe's native kernel (kernels/native_cpu.py:
+    the layer's experts in one call, fused SwiGLU, software prefetch), against the plain read.
+
     python benchmarks/bench_cpu_floor.py
 """
 
@@ -43,7 +48,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_description  # noqa: E402
 
-from raymoe.kernels import packed_linear  # noqa: E402
+from raymoe.kernels import native_cpu, packed_linear  # noqa: E402
+from raymoe.kernels.expert_mlp import grouped_swiglu  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, LAYERS = 256, 512, 8, 4
 REPEATS = 40
@@ -111,6 +117,35 @@ def threads_and_micro_batches() -> None:
     read = per_step_ms(flat.sum)
     print(f"(4) the same 32 FFNs with oneDNN over prepacked weights: {packed:.2f} ms: ratio {packed / base:.2f}; "
           f"a plain read of the {megabytes:.0f} MB takes {read:.2f} ms ({megabytes / read:.0f} GB/s)")
+
+
+def native_kernel() -> None:
+    """(6): 4 layers x 8 experts through grouped_swiglu, oneDNN's loop vs the native kernel."""
+    w13, w2 = expert_weights()
+    w13, w2 = [w / HIDDEN ** 0.5 for w in w13], [w / INTER ** 0.5 for w in w2]
+    megabytes = LAYERS * EXPERTS * 3 * HIDDEN * INTER * 4 / 1e6
+    read = per_step_ms(torch.cat([w.reshape(-1) for w in w13 + w2]).sum)
+    reason = native_cpu.unavailable_reason()
+    if reason is not None:
+        print(f"(6) the native expert kernel does not run here: {reason}")
+        return
+    torch.set_num_threads(1)
+    for rows in (1, 8):
+        x = torch.randn(EXPERTS * rows, HIDDEN)
+        counts = [rows] * EXPERTS
+
+        def step():
+            with torch.inference_mode():
+                for layer in range(LAYERS):
+                    grouped_swiglu(x, counts, w13[layer], w2[layer])
+
+        native_cpu.set_enabled(False)
+        onednn = per_step_ms(step)
+        native_cpu.set_enabled(True)
+        native = per_step_ms(step)
+        print(f"(6) 32 expert FFNs of {rows} row{'s' if rows > 1 else ''} through grouped_swiglu: oneDNN "
+              f"{onednn:.2f} ms ({megabytes / onednn:.0f} GB/s), native kernel {native:.2f} ms "
+              f"({megabytes / native:.0f} GB/s): ratio {native / onednn:.2f}; the plain read {read:.2f} ms")
 
 
 def _gloo_peer(rank: int, port: int, size: int, results) -> None:
@@ -185,6 +220,7 @@ def unix_socket_rtt_us(size: int, cores: tuple[int, int] | None = None) -> float
 def main() -> None:
     print(f"machine: {machine_description()}; load average {os.getloadavg()[0]:.1f}")
     threads_and_micro_batches()
+    native_kernel()
     for size in MESSAGE_BYTES:
         gloo, unix = gloo_rtt_us(size), unix_socket_rtt_us(size)
         print(f"(3) {size // 1024} KiB there and back: gloo over loopback TCP {gloo:.0f} us, Unix socket pair "

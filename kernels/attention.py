@@ -40,6 +40,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from raymoe.kernels import native_cpu
 from raymoe.moe.model_config import AttentionKind, ModelConfig
 
 QUERY_BLOCK = 256  # queries per masked SDPA call: the mask is at most QUERY_BLOCK x k
@@ -187,12 +188,15 @@ class SdpaAttention:
 
 @dataclass(frozen=True)
 class _DecodeBatch:
-    """The step's decodes (one query each) as one padded SDPA call, planned once per step."""
+    """The step's decodes (one query each) as one padded SDPA call, planned once per step; on a
+    CPU in float32 with AVX-512F, raymoe's native kernel reads their keys where they lie instead
+    (kernels/native_cpu.py: no gathered copy, no padding; each sequence reduced on its own)."""
 
     rows: torch.Tensor  # [Bd] their query rows in the step
     slots: torch.Tensor  # [Bd * k] cache slot of each visible key, padded with a visible one
     mask: torch.Tensor  # [Bd, 1, 1, k] True where a key is visible
     num_keys: int  # k: the most keys any of them sees
+    counts: torch.Tensor  # [Bd] int64: how many keys each sees (the first of its row of slots)
 
     @classmethod
     def plan(cls, spans: list[_Span], tables: torch.Tensor, block_size: int,
@@ -212,12 +216,17 @@ class _DecodeBatch:
         seqs = torch.tensor([span.seq for span in decodes]).unsqueeze(1)
         slots = tables[seqs, position // block_size] * block_size + position % block_size  # [Bd, k]
         rows = torch.tensor([span.first_row for span in decodes])
-        return cls(rows.to(device), slots.reshape(-1).to(device), visible[:, None, None, :].to(device), num_keys)
+        return cls(rows.to(device), slots.reshape(-1).to(device), visible[:, None, None, :].to(device), num_keys,
+                   count.reshape(-1).to(device))
 
     def attend(self, q: torch.Tensor, cache: tuple[torch.Tensor, ...], spec: "AttentionSpec",
                out: torch.Tensor) -> None:
         """Write the decodes' outputs into their rows of ``out: [T, H, Dv]``."""
         batch, num_keys = self.rows.shape[0], self.num_keys
+        if spec.kind is AttentionKind.GQA and native_cpu.attention_applies(q, cache[0], cache[1]):
+            native_cpu.decode_attention(q, cache[0], cache[1], self.rows, self.slots.view(batch, num_keys),
+                                        self.counts, spec.scale, out)
+            return
 
         def gather(paged: torch.Tensor) -> torch.Tensor:  # [N, bs, ...] -> [Bd, heads, k, D]
             keys = paged.flatten(0, 1).index_select(0, self.slots)

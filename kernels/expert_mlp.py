@@ -25,7 +25,7 @@ from concurrent.futures import Executor
 import torch
 import torch.nn.functional as F
 
-from raymoe.kernels import native_experts, packed_linear
+from raymoe.kernels import native_cpu, packed_linear
 
 
 def grouped_swiglu(
@@ -93,9 +93,9 @@ def _grouped_swiglu_loop(
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             run_jobs(part)
 
-    if native_experts.applies(x, w13, w2):  # CPU float32 on AVX-512F: the whole layer in one native call
+    if native_cpu.experts_apply(x, w13, w2):  # CPU float32 on AVX-512F: the whole layer in one native call
         def run_jobs(part: list[tuple[int, int, int]]) -> None:
-            native_experts.swiglu_jobs(x, out, w13, w2, part)
+            native_cpu.swiglu_jobs(x, out, w13, w2, part)
     else:
         run_jobs = _torch_jobs(x, out, w13, w2)
     if executor is None or len(jobs) < 2:

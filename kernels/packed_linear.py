@@ -72,7 +72,11 @@ def applies(x: torch.Tensor, stack: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a ``[out, in]`` weight (a dense layer's), packed once."""
+    """``F.linear(x, weight, bias)`` for a ``[out, in]`` weight (a dense layer's), packed once: by
+    raymoe's native kernel where it runs (kernels/native_cpu.py, any size), else by oneDNN from
+    ``DENSE_MIN_BYTES`` on, else torch's default GEMM."""
+    if native_cpu.linear_applies(x, weight, bias):
+        return native_cpu.linear(x, weight, bias)
     if (not applies(x, weight) or (bias is not None and bias.dtype != torch.float32)
             or weight.numel() * weight.element_size() < DENSE_MIN_BYTES):
         return F.linear(x, weight, bias)
@@ -110,7 +114,7 @@ class PackedStack:
 def cached_rows(stack: torch.Tensor) -> dict:
     """The cache of derived copies of ``stack``, emptied when the stack is written or moved and
     dropped with it: packed rows by row index here, whole-stack layouts of other kernels by
-    name (kernels/native_experts.py)."""
+    name (kernels/native_cpu.py)."""
     return _entry(stack).rows
 
 
@@ -145,4 +149,7 @@ def _forget(key: int) -> None:
 
 
 _AVAILABLE = available()
+# Last: native_cpu keeps its packed layouts in this module's cache (cached_rows), and this
+# module's dense layers take its kernel first; each needs only the other's functions at call time.
+from raymoe.kernels import native_cpu  # noqa: E402
 _LINEAR = torch.ops.mkldnn._linear_pointwise.default if _AVAILABLE else None  # the overload: no per-call resolution

@@ -3,7 +3,9 @@ pages in anew.
 
 Each case runs the in-process engine in its own interpreter (malloc's thresholds are process-wide
 and set once), on a model just big enough that a step's buffers (the attention gather: 32
-sequences x ~60 keys x 512 bytes, ~1 MB a layer) pass glibc's default mmap threshold.
+sequences x ~60 keys x 512 bytes, ~1 MB a layer) pass glibc's default mmap threshold. The
+probes run torch's kernels (``RAYMOE_NATIVE_KERNELS=0``): the native ones (kernels/native_cpu.py)
+allocate no such buffers, so with them there is little for the tuning to save.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def checkpoint(tmp_path_factory):
 
 def _probe(checkpoint: str, **env: str) -> dict:
     result = subprocess.run([sys.executable, "-c", PROBE, checkpoint], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, **env})
+                            timeout=300, env={**os.environ, "RAYMOE_NATIVE_KERNELS": "0", **env})
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -1,5 +1,6 @@
 """oneDNN-prepacked linears: the same function as F.linear, row-invariant, refreshed when
-the weights change in place, and off when asked."""
+the weights change in place, and off when asked. This is the path where raymoe's native kernels
+do not run (tests/kernels/test_native_cpu.py tests those), so they are off here."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raymoe.kernels import packed_linear
+from raymoe.kernels import native_cpu, packed_linear
 from raymoe.kernels.expert_mlp import grouped_swiglu
 
 pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="this torch build has no oneDNN linear")
@@ -16,8 +17,10 @@ pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="this torc
 @pytest.fixture(autouse=True)
 def enabled():
     packed_linear.set_enabled(True)
+    native_cpu.set_enabled(False)
     yield
     packed_linear.set_enabled(True)
+    native_cpu.set_enabled(True)
 
 
 def test_equals_linear_within_float32_rounding_and_is_row_invariant():

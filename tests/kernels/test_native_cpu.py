@@ -1,4 +1,4 @@
-"""The native SwiGLU expert kernel (kernels/native_experts.py) against a float64 reference and oneDNN."""
+"""The native CPU kernels (kernels/native_cpu.py) against float64 references and torch's kernels."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raymoe.kernels import native_experts, packed_linear
+from raymoe.kernels import native_cpu, packed_linear
 from raymoe.kernels.expert_mlp import grouped_swiglu
 
 
@@ -29,10 +29,10 @@ needs_kernel = pytest.mark.skipif(not CAN_RUN, reason="needs Linux, a C compiler
 
 @pytest.fixture(autouse=True)
 def _switches_on():
-    native_experts.set_enabled(True)
+    native_cpu.set_enabled(True)
     packed_linear.set_enabled(True)
     yield
-    native_experts.set_enabled(True)
+    native_cpu.set_enabled(True)
     packed_linear.set_enabled(True)
 
 
@@ -55,9 +55,9 @@ def _reference(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.
 
 @needs_kernel
 def test_the_kernel_builds_and_runs_where_the_machine_allows_it():
-    assert native_experts.unavailable_reason() is None
+    assert native_cpu.unavailable_reason() is None
     w13, w2 = _stacks(2, 64, 48)
-    assert native_experts.kernel_name(torch.randn(3, 64), w13, w2) == native_experts.KERNEL
+    assert native_cpu.kernel_name(torch.randn(3, 64), w13, w2) == native_cpu.KERNEL
 
 
 @needs_kernel
@@ -67,12 +67,12 @@ def test_matches_a_float64_reference_and_onednn(hidden, intermediate, counts):
     w13, w2 = _stacks(6, hidden, intermediate)
     slot_rows = [5, 0, 3, 2]  # slots served by other stacked rows, as while a migration stages experts
     x = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(1))
-    assert native_experts.applies(x, w13, w2)
+    assert native_cpu.experts_apply(x, w13, w2)
     native = grouped_swiglu(x, counts, w13, w2, slot_rows)
     reference = _reference(x, counts, w13, w2, slot_rows)
     torch.testing.assert_close(native.double(), reference, rtol=1e-5, atol=2e-6)
-    native_experts.set_enabled(False)
-    assert native_experts.kernel_name(x, w13, w2) == "onednn"
+    native_cpu.set_enabled(False)
+    assert native_cpu.kernel_name(x, w13, w2) == "onednn"
     onednn = grouped_swiglu(x, counts, w13, w2, slot_rows)
     torch.testing.assert_close(native, onednn, rtol=1e-5, atol=2e-6)
     assert not torch.equal(native, onednn)  # (it is another kernel: the switch did switch)
@@ -107,16 +107,16 @@ def test_a_stack_written_in_place_is_packed_again():
 def test_shapes_dtypes_and_the_switch_it_does_not_take_go_to_onednn_or_torch():
     w13, w2 = _stacks(2, 48, 48)  # hidden not a multiple of 32
     x = torch.randn(3, 48)
-    assert not native_experts.applies(x, w13, w2)
-    assert native_experts.kernel_name(x, w13, w2) == ("onednn" if packed_linear.available() else "torch")
+    assert not native_cpu.experts_apply(x, w13, w2)
+    assert native_cpu.kernel_name(x, w13, w2) == ("onednn" if packed_linear.available() else "torch")
     w13, w2 = _stacks(2, 64, 40)  # intermediate not a multiple of 16
-    assert not native_experts.applies(torch.randn(3, 64), w13, w2)
+    assert not native_cpu.experts_apply(torch.randn(3, 64), w13, w2)
     w13, w2 = _stacks(2, 64, 48)
-    assert not native_experts.applies(torch.randn(3, 64).bfloat16(), w13.bfloat16(), w2.bfloat16())
-    assert native_experts.kernel_name(torch.randn(3, 64).bfloat16(), w13.bfloat16(), w2.bfloat16()) == "torch"
-    native_experts.set_enabled(False)
-    assert not native_experts.applies(torch.randn(3, 64), w13, w2)
-    assert "turned off" in native_experts.unavailable_reason()
+    assert not native_cpu.experts_apply(torch.randn(3, 64).bfloat16(), w13.bfloat16(), w2.bfloat16())
+    assert native_cpu.kernel_name(torch.randn(3, 64).bfloat16(), w13.bfloat16(), w2.bfloat16()) == "torch"
+    native_cpu.set_enabled(False)
+    assert not native_cpu.experts_apply(torch.randn(3, 64), w13, w2)
+    assert "turned off" in native_cpu.unavailable_reason()
 
 
 def test_without_a_compiler_experts_run_on_onednn_and_say_why(tmp_path):
@@ -124,31 +124,95 @@ def test_without_a_compiler_experts_run_on_onednn_and_say_why(tmp_path):
     compiler, and grouped_swiglu still returns the right rows."""
     script = textwrap.dedent("""
         import torch, torch.nn.functional as F
-        from raymoe.kernels import native_experts
+        from raymoe.kernels import native_cpu
         from raymoe.kernels.expert_mlp import grouped_swiglu
         w13, w2 = torch.randn(2, 96, 64) / 8, torch.randn(2, 64, 48) / 7
         x = torch.randn(5, 64)
         out = grouped_swiglu(x, [2, 3], w13, w2)
         gate_up = x[2:] @ w13[1].T
         torch.testing.assert_close(out[2:], (F.silu(gate_up[:, :48]) * gate_up[:, 48:]) @ w2[1].T, rtol=1e-5, atol=1e-5)
-        print("REASON:", native_experts.unavailable_reason())
-        print("KERNEL:", native_experts.kernel_name(x, w13, w2))
+        print("REASON:", native_cpu.unavailable_reason())
+        print("KERNEL:", native_cpu.kernel_name(x, w13, w2))
     """)
     env = dict(os.environ, CC="raymoe-no-such-compiler", RAYMOE_NATIVE_DIR=str(tmp_path))
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "REASON: no C compiler ('raymoe-no-such-compiler' not found; set CC)" in result.stdout
     assert "KERNEL: onednn" in result.stdout or ("KERNEL: torch" in result.stdout and not packed_linear.available())
-    assert "native expert kernel unavailable" in result.stderr  # logged once, with the reason
+    assert "native CPU kernels unavailable" in result.stderr  # logged once, with the reason
     assert not list(tmp_path.iterdir())
 
 
 @needs_kernel
 def test_the_library_is_built_once_into_the_build_directory(tmp_path):
-    script = "from raymoe.kernels import native_experts; print(native_experts.unavailable_reason())"
+    script = "from raymoe.kernels import native_cpu; print(native_cpu.unavailable_reason())"
     env = dict(os.environ, RAYMOE_NATIVE_DIR=str(tmp_path))
     for _ in range(2):
         result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
         assert result.stdout.strip() == "None", result.stderr
         built = [path.name for path in tmp_path.iterdir()]
-        assert len(built) == 1 and built[0].startswith("swiglu_experts-") and built[0].endswith(".so"), built
+        assert len(built) == 1 and built[0].startswith("cpu_f32-") and built[0].endswith(".so"), built
+
+
+# ---- dense layers --------------------------------------------------------------------------
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7, 8, 33, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_float64_and_is_row_invariant(rows, with_bias):
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=generator) / 9
+    bias = torch.randn(96, generator=generator) if with_bias else None
+    x = torch.randn(rows, 80, generator=generator)
+    assert native_cpu.linear_applies(x, weight, bias)
+    out = packed_linear.linear(x, weight, bias)  # the dense layers' entry point takes the native kernel
+    assert torch.equal(out, native_cpu.linear(x, weight, bias))
+    expected = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
+    for first, count in ((0, 1), (rows - 1, 1), (rows // 3, max(1, rows // 2))):
+        assert torch.equal(packed_linear.linear(x[first:first + count], weight, bias), out[first:first + count])
+    assert torch.equal(packed_linear.linear(x.view(1, rows, 80), weight, bias), out.view(1, rows, 96))
+
+
+def test_linear_shapes_it_does_not_take_go_to_torch():
+    x = torch.randn(3, 64)
+    assert not native_cpu.linear_applies(x, torch.randn(40, 64), None)  # N not a multiple of 32
+    assert not native_cpu.linear_applies(x.double(), torch.randn(64, 64).double(), None)
+    small = torch.randn(8, 64)  # a router gate: 8 experts
+    assert torch.equal(packed_linear.linear(x, small), F.linear(x, small))
+
+
+# ---- decode attention ----------------------------------------------------------------------
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(8, 4, 32, None), (4, 4, 16, None), (6, 2, 48, 20)])
+def test_decode_attention_matches_sdpa_and_does_not_depend_on_the_batch(heads, kv_heads, head_dim, window):
+    from raymoe.kernels.attention import AttentionMetadata, AttentionSpec, SdpaAttention
+    from raymoe.moe.model_config import AttentionKind
+
+    block_size, blocks = 16, 64
+    spec = AttentionSpec(AttentionKind.GQA, heads, kv_heads, head_dim, head_dim, head_dim ** -0.5, window)
+    generator = torch.Generator().manual_seed(heads * head_dim)
+    contexts = [9, 17, 40, 33, 26, 58]  # padding within the batched path's bound
+    order = torch.randperm(blocks - 1, generator=generator) + 1
+    tables, used = [], 0
+    for context in contexts:
+        count = -(-context // block_size)
+        tables.append(order[used:used + count].tolist())
+        used += count
+    metadata = AttentionMetadata.build([1] * len(contexts), contexts, tables, block_size)
+    caches = (torch.randn(blocks, block_size, kv_heads, head_dim, generator=generator),
+              torch.randn(blocks, block_size, kv_heads, head_dim, generator=generator))
+    q = torch.randn(len(contexts), heads, head_dim, generator=generator)
+    step = SdpaAttention(spec).plan(metadata, block_size)
+    assert step.decodes is not None  # the batched decode path
+    native = step.attend(q, caches)
+    native_cpu.set_enabled(False)
+    sdpa = SdpaAttention(spec).plan(metadata, block_size).attend(q, caches)
+    native_cpu.set_enabled(True)
+    torch.testing.assert_close(native, sdpa, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(native, sdpa)  # (another kernel ran)
+    for index in range(len(contexts)):  # each sequence in a batch with one other: the same bits
+        other = (index + 1) % len(contexts)
+        pair = AttentionMetadata.build([1, 1], [contexts[index], contexts[other]], [tables[index], tables[other]],
+                                       block_size)
+        alone = SdpaAttention(spec).plan(pair, block_size).attend(q[[index, other]], caches)
+        assert torch.equal(alone[0], native[index]), index

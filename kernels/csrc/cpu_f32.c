@@ -1,16 +1,23 @@
-/* SwiGLU experts in float32 for decode-sized row counts, AVX-512F (see kernels/native_experts.py).
+/* raymoe's native CPU kernels, float32 on AVX-512F (loaded by kernels/native_cpu.py).
  *
- * y[r] = W2_e (silu(Wg_e x[r]) * (Wu_e x[r])) for every row r of every job (e, begin, end).
+ * 1. raymoe_swiglu_experts: y[r] = W2_e (silu(Wg_e x[r]) * (Wu_e x[r])) for every row r of
+ *    every job (e, begin, end): a layer's experts in one call.
+ * 2. raymoe_linear: y = x W^T (+ bias), a dense layer.
+ * 3. raymoe_decode_attention: one query per sequence against its keys in a paged cache (GQA).
  *
- * Weights come packed once per stack (kernels/native_experts.py):
+ * Weights come packed once (kernels/native_cpu.py):
  *   w13: [R][I/16][D][2][16]  panel p holds gate and up columns 16p..16p+15, k-major
  *   w2:  [R][D/32][I][32]     panel q holds output columns 32q..32q+31, k-major
+ *   W:   [N/32][K][32]        (a dense layer's, as w2's)
  * so each panel streams once per block of up to 8 rows, and every output element is one chain
  * of fused multiply-adds over k = 0..K-1 from zero, in that order, whatever the number of rows
- * in the call: a row's result never depends on which rows share its call.
+ * in the call: a row's result never depends on which rows share its call. Attention likewise
+ * reduces each (sequence, head) on its own, in key order.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define ROW_BLOCK 8   /* rows per register block: 2 x 8 accumulators of 16 floats */
 #define CHUNK_ROWS 32 /* rows per pass over an expert's weights (the scratch holds their h) */
@@ -23,7 +30,7 @@
         _mm_prefetch((const char *)(address) + 4 * PREFETCH_FLOATS + 64, _MM_HINT_T0);             \
     } while (0)
 
-int raymoe_swiglu_supported(void) {
+int raymoe_native_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") ? 1 : 0;
 }
@@ -135,5 +142,83 @@ __attribute__((target("avx512f"))) int raymoe_swiglu_experts(
                 }
         }
     }
+    return 0;
+}
+
+/* y = x W^T (+ bias): x [M, K], W packed [N/32][K][32], y [M, N]. Returns -1 on N % 32. */
+__attribute__((target("avx512f"))) int raymoe_linear(
+    const float *x, float *y, const float *w, const float *bias, int64_t M, int64_t K, int64_t N) {
+    if (N % 32 || K <= 0 || N <= 0) return -1;
+    for (int64_t q = 0; q < N / 32; q++)
+        for (int64_t m = 0; m < M; m += ROW_BLOCK) {
+            int64_t mb = M - m < ROW_BLOCK ? M - m : ROW_BLOCK;
+            DOWN[mb](x + m * K, K, w + q * 32 * K, y + m * N + 32 * q, N);
+        }
+    if (bias)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n += 16)
+                _mm512_storeu_ps(y + m * N + n, _mm512_add_ps(_mm512_loadu_ps(y + m * N + n), _mm512_loadu_ps(bias + n)));
+    return 0;
+}
+
+/* Decode attention over a paged cache, GQA, float32: one query per sequence.
+ * q: rows of [T, H, Dk] picked by rows[b]; k_cache [S, Hkv, Dk], v_cache [S, Hkv, Dv] (S = N * bs);
+ * slots [B, kmax]: cache slot of key j of sequence b (the first counts[b] are visible);
+ * out: rows[b] of [T, H, Dv]. Per (sequence, query head): scores in key order, max, exp, their
+ * sum in a fixed order, values accumulated in key order: nothing depends on the other sequences. */
+__attribute__((target("avx512f"))) int raymoe_decode_attention(
+    const float *q, const float *k_cache, const float *v_cache, const int64_t *rows, const int64_t *slots,
+    const int64_t *counts, float *out, int64_t B, int64_t H, int64_t Hkv, int64_t Dk, int64_t Dv,
+    int64_t kmax, float scale) {
+    if (Dk % 16 || Dv % 16 || H % Hkv || kmax <= 0) return -1;
+    const int64_t group = H / Hkv;
+    const int64_t padded = (kmax + 15) / 16 * 16;
+    float *scores = malloc(sizeof(float) * (size_t)(group * padded + group * Dv));
+    if (!scores) return -2;
+    float *acc = scores + group * padded;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = counts[b];
+        const int64_t *seq_slots = slots + b * kmax;
+        for (int64_t g = 0; g < Hkv; g++) {
+            const float *qg = q + (rows[b] * H + g * group) * Dk;
+            for (int64_t j = 0; j < n; j++) {
+                const float *key = k_cache + (seq_slots[j] * Hkv + g) * Dk;
+                for (int64_t i = 0; i < group; i++) {
+                    __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg + i * Dk), _mm512_loadu_ps(key));
+                    for (int64_t d = 16; d < Dk; d += 16)
+                        dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i * Dk + d), _mm512_loadu_ps(key + d), dot);
+                    scores[i * padded + j] = _mm512_reduce_add_ps(dot) * scale;
+                }
+            }
+            for (int64_t i = 0; i < group; i++) {
+                float *s = scores + i * padded;
+                __m512 top = _mm512_set1_ps(-INFINITY);
+                for (int64_t j = 0; j < n; j += 16) {
+                    __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+                    top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, s + j));
+                }
+                __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top)), total = _mm512_setzero_ps();
+                for (int64_t j = 0; j < n; j += 16) {
+                    __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+                    __m512 p = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), peak));
+                    p = _mm512_maskz_mov_ps(live, p);
+                    _mm512_mask_storeu_ps(s + j, live, p);
+                    total = _mm512_add_ps(total, p);
+                }
+                float *a = acc + i * Dv;
+                for (int64_t d = 0; d < Dv; d += 16) _mm512_storeu_ps(a + d, _mm512_setzero_ps());
+                for (int64_t j = 0; j < n; j++) {
+                    const float *value = v_cache + (seq_slots[j] * Hkv + g) * Dv;
+                    __m512 p = _mm512_set1_ps(s[j]);
+                    for (int64_t d = 0; d < Dv; d += 16)
+                        _mm512_storeu_ps(a + d, _mm512_fmadd_ps(p, _mm512_loadu_ps(value + d), _mm512_loadu_ps(a + d)));
+                }
+                __m512 norm = _mm512_set1_ps(_mm512_reduce_add_ps(total));
+                float *o = out + (rows[b] * H + g * group + i) * Dv;
+                for (int64_t d = 0; d < Dv; d += 16) _mm512_storeu_ps(o + d, _mm512_div_ps(_mm512_loadu_ps(a + d), norm));
+            }
+        }
+    }
+    free(scores);
     return 0;
 }
