@@ -216,3 +216,30 @@ def test_decode_attention_matches_sdpa_and_does_not_depend_on_the_batch(heads, k
                                        block_size)
         alone = SdpaAttention(spec).plan(pair, block_size).attend(q[[index, other]], caches)
         assert torch.equal(alone[0], native[index]), index
+
+
+@needs_kernel
+def test_a_large_stack_is_packed_on_huge_page_boundaries_with_the_same_results():
+    w13, w2 = _stacks(4, 256, 512)  # 6 MiB of experts: each packed layout spans huge pages
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(3))
+    out = grouped_swiglu(x, [4, 0, 5, 0], w13, w2)
+    packed13, packed2 = native_cpu._packed_experts(w13, w2)
+    for packed in (packed13, packed2):
+        assert packed.data_ptr() % native_cpu.HUGE_PAGE == 0 and packed.is_contiguous()
+    torch.testing.assert_close(out.double(), _reference(x, [4, 0, 5, 0], w13, w2, [0, 1, 2, 3]), rtol=1e-5, atol=2e-6)
+    for packed in (packed13, packed2):  # each lies in a mapping advised for huge pages ("hg" in VmFlags)
+        assert "hg" in _vm_flags(packed.data_ptr()).split(), _vm_flags(packed.data_ptr())
+
+
+def _vm_flags(address: int) -> str:
+    """The VmFlags of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as handle:
+        for line in handle:
+            head = line.split(" ", 1)[0]
+            if "-" in head and ":" not in head:
+                low, high = (int(part, 16) for part in head.split("-"))
+                inside = low <= address < high
+            elif inside and line.startswith("VmFlags:"):
+                return line[len("VmFlags:"):].strip()
+    raise AssertionError(f"no mapping holds {address:#x}")
