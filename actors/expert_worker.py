@@ -89,6 +89,7 @@ class ExpertWorker:
         for moe_layer, layer in enumerate(self.config.moe_layers):
             experts = table.worker_experts(moe_layer, self.worker) + padding
             w13, w2 = load_expert_stack(checkpoint, self.config, layer, experts, self.dtype, self.device)
+            native_cpu.prepare_experts(w13, w2)  # packed at load, not in the first requests' steps
             w13s.append(w13)
             w2s.append(w2)
         self.w13, self.w2 = w13s, w2s

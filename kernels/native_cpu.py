@@ -143,6 +143,15 @@ def swiglu_jobs(x: torch.Tensor, out: torch.Tensor, w13: torch.Tensor, w2: torch
                                           scratch.data_ptr()), "raymoe_swiglu_experts")
 
 
+def prepare_experts(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Pack both stacks now (a worker loading its experts) where the kernel takes them, so that
+    the first requests do not pay for it; True if it does."""
+    if not experts_apply(torch.empty(1, w13.shape[2], dtype=w13.dtype, device=w13.device), w13, w2):
+        return False
+    _packed_experts(w13, w2)
+    return True
+
+
 def _packed_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Both stacks in the kernel's layouts, made once per stack version (packed_linear's cache):
     w13 ``[R, I/16, D, 2, 16]`` (a panel's gate and up columns side by side, k-major) and

@@ -243,3 +243,13 @@ def _vm_flags(address: int) -> str:
             elif inside and line.startswith("VmFlags:"):
                 return line[len("VmFlags:"):].strip()
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@needs_kernel
+def test_experts_prepared_at_load_are_not_packed_again_in_a_step():
+    w13, w2 = _stacks(3, 64, 48)
+    assert native_cpu.prepare_experts(w13, w2)
+    packed = native_cpu._packed_experts(w13, w2)
+    grouped_swiglu(torch.randn(4, 64), [1, 2, 1], w13, w2)
+    assert all(a is b for a, b in zip(packed, native_cpu._packed_experts(w13, w2)))
+    assert not native_cpu.prepare_experts(*_stacks(2, 48, 48))  # a shape it does not take: nothing packed
