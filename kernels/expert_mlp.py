@@ -7,7 +7,9 @@ belongs to. Weights are stacked per slot: ``w13: [S, 2I, D]`` (gate rows, then u
 and ``w2: [S, D, I]``, in the checkpoint's ``[out, in]`` layout, so every matmul reads the
 weights without a copy.
 
-Two implementations behind one function:
+Three implementations behind one function:
+- on a float32 CPU with AVX-512F and a C compiler, raymoe's native kernel: every slot's rows
+  in one call, gate/up/SiLU/down fused over weights packed once (kernels/native_cpu.py);
 - a loop over non-empty slots with one fused gate/up GEMM and one down GEMM each (CPU,
   and any device; on the CPU in float32 over oneDNN-prepacked weights,
   kernels/packed_linear.py);

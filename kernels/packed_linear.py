@@ -10,6 +10,10 @@ output does not depend on how many other rows share the call (checked for M = 1.
 bench shapes, and in tests/kernels/test_packed_linear.py), where sgemm's is not, so how a
 placement batches rows on a worker cannot change a bit of the result.
 
+Where raymoe's native CPU kernels run (AVX-512F and a C compiler, kernels/native_cpu.py), they
+take the experts and the dense layers first, with layouts of their own kept in this module's
+cache (:func:`cached_rows`); this path is what runs elsewhere, or with them turned off.
+
 The packed copy costs the weights' size once more in memory (float32 on CPUs only;
 `cpu.packed_experts: false` turns it off for expert workers; the dense layers of a router or
 the in-process engine use it whenever it applies). Copies are made lazily per stacked expert,
