@@ -13,7 +13,7 @@ Python, and a batch of decodes gathered its keys into a padded copy before SDPA.
   weights streamed once per 32 rows with software prefetch, gate, up, SiLU and down fused: 32
   experts x 8 rows (one decode step at 32 sequences of the bench model) 1.1-1.3 ms against
   oneDNN's 3.3 ms; at one row 1.0-1.2 against 2.3-3.0 (benchmarks/bench_cpu_floor.py (6));
-- :func:`linear`: a dense layer over a weight packed once (kernels/packed_linear.py), 2.5-3x
+- :func:`linear`: a dense layer over a weight packed once (kernels/packed_linear.py), 2-3.5x
   sgemm's speed at 1-256 rows of the bench model's [512, 256] layers;
 - :func:`decode_attention`: a batch of decodes straight from the paged cache
   (kernels/attention.py), no gathered copy, no padding.
