@@ -114,7 +114,8 @@ def _takes(*tensors: torch.Tensor) -> bool:
 def experts_apply(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether :func:`swiglu_jobs` takes these rows and stacks (``[R, 2I, D]``, ``[R, D, I]``):
     float32 on the CPU, D a multiple of 32 and I of 16, and the packed path not turned off."""
-    if not (_takes(x, w13, w2) and packed_linear.applies(x, w13) and packed_linear.applies(x, w2)):
+    # packed_linear.applies: CPU, float32, no grad, rows present, the packed path not turned off
+    if not (_enabled and packed_linear.applies(x, w13) and packed_linear.applies(x, w2)):
         return False
     hidden, intermediate = w13.shape[2], w2.shape[2]
     if hidden % 32 or intermediate % 16 or w13.shape[1] != 2 * intermediate or w2.shape[1] != hidden:
@@ -156,17 +157,27 @@ def _packed_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, 
     """Both stacks in the kernel's layouts, made once per stack version (packed_linear's cache):
     w13 ``[R, I/16, D, 2, 16]`` (a panel's gate and up columns side by side, k-major) and
     w2 ``[R, D/32, I, 32]``."""
-    rows13, rows2 = packed_linear.cached_rows(w13), packed_linear.cached_rows(w2)
-    packed13, packed2 = rows13.get(KERNEL), rows2.get(KERNEL)
-    if packed13 is None:
-        stacked, hidden = w13.shape[0], w13.shape[2]
-        gate, up = w13.reshape(stacked, 2, -1, 16, hidden).unbind(1)  # [R, I/16, 16, D] each
-        layout = torch.stack([gate.transpose(2, 3), up.transpose(2, 3)], dim=3)  # [R, I/16, D, 2, 16]
-        packed13 = rows13[KERNEL] = _huge_page_empty(layout.shape).copy_(layout)
-    if packed2 is None:
-        layout = _panels(w2, contiguous=False)
-        packed2 = rows2[KERNEL] = _huge_page_empty(layout.shape).copy_(layout)
-    return packed13, packed2
+    return _layout(w13, _gate_up_panels), _layout(w2, lambda w2: _on_huge_pages(_panels(w2, contiguous=False)))
+
+
+def _layout(weight: torch.Tensor, make) -> torch.Tensor:
+    """The kernel's layout of ``weight``, made by ``make`` once per weight version (packed_linear's cache)."""
+    rows = packed_linear.cached_rows(weight)
+    layout = rows.get(KERNEL)
+    if layout is None:
+        layout = rows[KERNEL] = make(weight)
+    return layout
+
+
+def _gate_up_panels(w13: torch.Tensor) -> torch.Tensor:
+    stacked, hidden = w13.shape[0], w13.shape[2]
+    gate, up = w13.reshape(stacked, 2, -1, 16, hidden).unbind(1)  # [R, I/16, 16, D] each
+    return _on_huge_pages(torch.stack([gate.transpose(2, 3), up.transpose(2, 3)], dim=3))  # [R, I/16, D, 2, 16]
+
+
+def _on_huge_pages(layout: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``layout`` in :func:`_huge_page_empty` memory."""
+    return _huge_page_empty(layout.shape).copy_(layout)
 
 
 def _huge_page_empty(shape: torch.Size) -> torch.Tensor:
@@ -208,10 +219,7 @@ def linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` over the weight packed once (:func:`linear_applies` checked)."""
-    rows = packed_linear.cached_rows(weight)
-    packed = rows.get(KERNEL)
-    if packed is None:
-        packed = rows[KERNEL] = _panels(weight)
+    packed = _layout(weight, _panels)
     shape = x.shape
     flat = x.reshape(-1, shape[-1]).contiguous()
     out = torch.empty(flat.shape[0], weight.shape[0], dtype=torch.float32)
