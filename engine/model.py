@@ -39,7 +39,7 @@ from raymoe.kernels.attention import (
     write_cache,
 )
 from raymoe.kernels.attention_flashinfer import FlashInferAttention, flashinfer_unsupported
-from raymoe.kernels.norm import rms_norm
+from raymoe.kernels.norm import add_rms_norm, rms_norm
 from raymoe.kernels.packed_linear import linear
 from raymoe.kernels.rope import apply_rope, rope_rows, rope_tables
 from raymoe.moe.gating import route
@@ -52,7 +52,7 @@ def attention_backend(config: ModelConfig, dtype: torch.dtype, device: torch.dev
     """FlashInfer where it runs this model, else the generic SDPA path (the reason is logged on CUDA)."""
     spec = AttentionSpec.from_config(config)
     reason = flashinfer_unsupported(spec, dtype, device)
-    backend = FlashInferAttention(spec, dtype, device) if reason is None else SdpaAttention(spec)
+    backend = FlashInferAttention(spec, dtype, device) if reason is None else SdpaAttention(spec, dtype, device)
     if device.type == "cuda":
         LOG.info("attention backend: %s%s", backend.name, f" (not FlashInfer: {reason})" if reason else "")
     return backend
@@ -77,13 +77,14 @@ class MoEModel:
         interleaved = config.attention is AttentionKind.MLA and config.mla.rope_interleave
         cos, sin = rope_rows(self.rope_cos, self.rope_sin, positions, x.dtype, interleaved)  # [T, 1, R]
         step = self.attention.plan(metadata, cache.block_size)
+        attend = self._mla if config.attention is AttentionKind.MLA else self._gqa
+        eps, feed_forward = config.rms_norm_eps, None  # each residual add goes with the norm after it
         for index, layer in enumerate(self.weights.layers):
-            h = rms_norm(x, layer.input_norm, config.rms_norm_eps)
-            attend = self._mla if config.attention is AttentionKind.MLA else self._gqa
-            x = x + attend(h, layer.attention, cos, sin, cache.layer(index), metadata.slot_mapping, step)
-            h = rms_norm(x, layer.post_attention_norm, config.rms_norm_eps)
-            x = x + self._feed_forward(index, layer, h)
-        return rms_norm(x, self.weights.final_norm, config.rms_norm_eps)
+            x, h = add_rms_norm(x, feed_forward, layer.input_norm, eps)
+            attended = attend(h, layer.attention, cos, sin, cache.layer(index), metadata.slot_mapping, step)
+            x, h = add_rms_norm(x, attended, layer.post_attention_norm, eps)
+            feed_forward = self._feed_forward(index, layer, h)
+        return add_rms_norm(x, feed_forward, self.weights.final_norm, eps)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, D]`` -> ``[B, V]`` float32."""

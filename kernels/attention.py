@@ -27,7 +27,9 @@ runs in blocks of at most ``QUERY_BLOCK`` queries, each with a mask of its own
 share their kv head through SDPA's ``enable_gqa``, never a copy. Decodes with short contexts
 (at most ``DECODE_BATCH_MAX_KEYS`` keys, bounded padding) go together instead: one gather of
 their keys ``[B, Hkv, k, D]`` and one masked SDPA call in which each kv head's query heads are
-its queries (so the scores are ``[B, Hkv, H / Hkv, k]``). On the CPU, SDPA's flash
+its queries (so the scores are ``[B, Hkv, H / Hkv, k]``). On a float32 CPU with raymoe's native kernels
+(kernels/native_cpu.py) GQA decodes read their keys where they lie instead, and a lone decode
+goes that way too (the same bits as in a batch). On the CPU, SDPA's flash
 kernel then runs in tiles (it needs 4-D inputs and Dk == Dv, which is why MLA's values are
 the whole latent row and the output is cut to R).
 """
@@ -156,8 +158,14 @@ class SdpaAttention:
 
     name = "sdpa"
 
-    def __init__(self, spec: AttentionSpec):
+    def __init__(self, spec: AttentionSpec, dtype: torch.dtype | None = None, device: torch.device | None = None):
         self.spec = spec
+        # A lone decode goes through the native decode kernel too where it will run (float32
+        # GQA on the CPU): one call instead of SDPA's ~60 us, and the same bits as when the
+        # sequence decodes in a batch. Elsewhere it keeps SDPA over a view of its context.
+        self.single_decodes = (dtype == torch.float32 and device is not None and device.type == "cpu"
+                               and spec.kind is AttentionKind.GQA and spec.key_dim % 16 == 0
+                               and spec.value_dim % 16 == 0 and native_cpu.unavailable_reason() is None)
 
     def plan(self, metadata: AttentionMetadata, block_size: int) -> "SdpaStep":
         window = self.spec.sliding_window
@@ -180,7 +188,8 @@ class SdpaAttention:
                 first_rows.tolist(), q_lens.tolist(), first_key.tolist(), ctx_lens.tolist(),
                 first_block.tolist(), starts.tolist(), consecutive.tolist()))
         ]
-        decodes = _DecodeBatch.plan(spans, tables, block_size, metadata.block_tables.device)
+        decodes = _DecodeBatch.plan(spans, tables, block_size, metadata.block_tables.device,
+                                    1 if self.single_decodes else 2)
         if decodes is not None:
             spans = [span for span in spans if span.num_new != 1]
         return SdpaStep(self.spec, spans, metadata.block_tables, block_size, decodes)
@@ -194,15 +203,15 @@ class _DecodeBatch:
 
     rows: torch.Tensor  # [Bd] their query rows in the step
     slots: torch.Tensor  # [Bd * k] cache slot of each visible key, padded with a visible one
-    mask: torch.Tensor  # [Bd, 1, 1, k] True where a key is visible
     num_keys: int  # k: the most keys any of them sees
     counts: torch.Tensor  # [Bd] int64: how many keys each sees (the first of its row of slots)
 
     @classmethod
     def plan(cls, spans: list[_Span], tables: torch.Tensor, block_size: int,
-             device: torch.device) -> "_DecodeBatch | None":
+             device: torch.device, least: int = 2) -> "_DecodeBatch | None":
+        """The step's decodes as one batch, if there are at least ``least`` and their padding is bounded."""
         decodes = [span for span in spans if span.num_new == 1]
-        if len(decodes) < 2:
+        if len(decodes) < least:
             return None
         counts = [span.num_tokens - span.first_key for span in decodes]
         num_keys = max(counts)
@@ -216,8 +225,7 @@ class _DecodeBatch:
         seqs = torch.tensor([span.seq for span in decodes]).unsqueeze(1)
         slots = tables[seqs, position // block_size] * block_size + position % block_size  # [Bd, k]
         rows = torch.tensor([span.first_row for span in decodes])
-        return cls(rows.to(device), slots.reshape(-1).to(device), visible[:, None, None, :].to(device), num_keys,
-                   count.reshape(-1).to(device))
+        return cls(rows.to(device), slots.reshape(-1).to(device), num_keys, count.reshape(-1).to(device))
 
     def attend(self, q: torch.Tensor, cache: tuple[torch.Tensor, ...], spec: "AttentionSpec",
                out: torch.Tensor) -> None:
@@ -243,7 +251,9 @@ class _DecodeBatch:
         # faster at 32 sequences). Query head h reads kv head h // (H / Hkv), as enable_gqa would.
         kv_heads = keys.shape[1]
         queries = q.index_select(0, self.rows).view(batch, kv_heads, -1, q.shape[-1])  # [Bd, Hkv, H/Hkv, Dk]
-        result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=spec.scale)
+        visible = torch.arange(num_keys, device=self.counts.device) < self.counts.unsqueeze(1)  # [Bd, k]
+        result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=visible[:, None, None, :],
+                                                scale=spec.scale)
         out.index_copy_(0, self.rows, result.reshape(batch, spec.num_heads, -1)[..., : spec.value_dim])
 
 

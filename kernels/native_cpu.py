@@ -7,7 +7,7 @@ Why: at decode sizes every matmul here is a few rows, and torch's CPU kernels pa
 per call and run those shapes far below the core: on the 2-vCPU EPYC of docs/BENCHMARKS.md a
 dense layer's sgemm at 32 rows ran at ~50 GFLOP/s, oneDNN's packed expert GEMMs streamed their
 weights at ~15 GB/s at 8 rows where a plain read runs at ~45, a SwiGLU expert was ~5 calls from
-Python, and a batch of decodes gathered its keys into a padded copy before SDPA. Three kernels:
+Python, and a batch of decodes gathered its keys into a padded copy before SDPA. The kernels:
 
 - :func:`swiglu_jobs`: a layer's experts in one call (kernels/expert_mlp.py), each expert's
   weights streamed once per 32 rows with software prefetch, gate, up, SiLU and down fused: 32
@@ -15,8 +15,12 @@ Python, and a batch of decodes gathered its keys into a padded copy before SDPA.
   oneDNN's 3.3 ms; at one row 1.0-1.2 against 2.3-3.0 (benchmarks/bench_cpu_floor.py (6));
 - :func:`linear`: a dense layer over a weight packed once (kernels/packed_linear.py), 2-3.5x
   sgemm's speed at 1-256 rows of the bench model's [512, 256] layers;
-- :func:`decode_attention`: a batch of decodes straight from the paged cache
-  (kernels/attention.py), no gathered copy, no padding.
+- :func:`decode_attention`: a batch of decodes (or a lone one) straight from the paged cache
+  (kernels/attention.py), no gathered copy, no padding;
+- :func:`rms_norm` (with the residual add before it) and :func:`rope`: one call each where
+  torch took ~5 small ops (kernels/norm.py, kernels/rope.py); at one sequence a decode step's
+  dispatch overhead, not its math, is what these remove (in-process step at one sequence
+  2.14-2.35 -> 1.99-2.20 ms with the lone-decode attention, alternating blocks, 12:00).
 
 Contracts:
 - **Row-invariant.** Every output element is one chain of fused multiply-adds in a fixed
@@ -72,6 +76,8 @@ _SIGNATURES = {
     "raymoe_swiglu_experts": [_P] * 5 + [_I64] * 3 + [_P],
     "raymoe_linear": [_P] * 4 + [_I64] * 3,
     "raymoe_decode_attention": [_P] * 7 + [_I64] * 6 + [ctypes.c_float],
+    "raymoe_rms_norm": [_P] * 5 + [_I64] * 2 + [ctypes.c_float],
+    "raymoe_rope": [_P, _I64, _P, _P, _P, _I64, _I64, _I64],
 }
 
 
@@ -228,6 +234,46 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _check(_library.raymoe_linear(flat.data_ptr(), out.data_ptr(), packed.data_ptr(), bias_pointer,
                                   flat.shape[0], flat.shape[1], weight.shape[0]), "raymoe_linear")
     return out.view(*shape[:-1], weight.shape[0])
+
+
+# ---- norms and rotary embeddings -------------------------------------------------------------
+def norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`rms_norm` takes it: float32 on the CPU, contiguous rows, D a multiple of 16."""
+    return (_takes(x, weight) and x.numel() > 0 and x.is_contiguous() and weight.dim() == 1
+            and weight.shape[0] == x.shape[-1] and x.shape[-1] % 16 == 0 and unavailable_reason() is None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, rms_norm(s) * weight)`` with ``s = x + delta`` (``x`` itself without ``delta``), one
+    call (:func:`norm_applies` checked for ``x``; ``delta``, if given, the same shape)."""
+    h = torch.empty_like(x)
+    total = x
+    if delta is not None:
+        delta = delta.contiguous()
+        total = torch.empty_like(x)
+    _check(_library.raymoe_rms_norm(x.data_ptr(), delta.data_ptr() if delta is not None else None,
+                                    weight.contiguous().data_ptr(), total.data_ptr(), h.data_ptr(),
+                                    x.numel() // x.shape[-1], x.shape[-1], eps), "raymoe_rms_norm")
+    return total, h
+
+
+def rope_applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether :func:`rope` takes ``x: [T, heads, d]`` (rows may be strided, each token's heads
+    contiguous) with ``cos, sin: [T, 1, d]`` contiguous: float32 on the CPU."""
+    return (_takes(x, cos, sin) and x.dim() == 3 and x.numel() > 0 and x.stride(2) == 1
+            and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous()
+            and cos.shape[-1] == x.shape[2] and unavailable_reason() is None)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + x.roll(d / 2, -1) * sin`` as a new contiguous ``[T, heads, d]``: the same
+    operations in the same order as torch's, so the same bits (:func:`rope_applies` checked)."""
+    tokens, heads, size = x.shape
+    out = torch.empty(tokens, heads, size, dtype=torch.float32)
+    _check(_library.raymoe_rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                                tokens, heads, size), "raymoe_rope")
+    return out
 
 
 # ---- attention -----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from raymoe.kernels import native_cpu
 from raymoe.moe.model_config import RopeConfig, yarn_get_mscale
 
 
@@ -45,6 +46,8 @@ def rope_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dty
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """Rotate ``x: [T, H, R]`` by ``cos, sin: [T, 1, R]`` from :func:`rope_rows` (same ``interleaved``)."""
+    if not interleaved and native_cpu.rope_applies(x, cos, sin):  # float32 CPU: one call, the same bits
+        return native_cpu.rope(x, cos, sin)
     half = x.shape[-1] // 2
     if interleaved:
         cos, sin = cos[..., :half], sin[..., :half]

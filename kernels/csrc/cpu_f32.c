@@ -4,6 +4,8 @@
  *    every job (e, begin, end): a layer's experts in one call.
  * 2. raymoe_linear: y = x W^T (+ bias), a dense layer.
  * 3. raymoe_decode_attention: one query per sequence against its keys in a paged cache (GQA).
+ * 4. raymoe_rms_norm: RMSNorm of each row, optionally after adding a residual (x + delta).
+ * 5. raymoe_rope: rotary embedding of q and k heads side by side (the rotate_half layout).
  *
  * Weights come packed once (kernels/native_cpu.py):
  *   w13: [R][I/16][D][2][16]  panel p holds gate and up columns 16p..16p+15, k-major
@@ -220,5 +222,63 @@ __attribute__((target("avx512f"))) int raymoe_decode_attention(
         }
     }
     free(scores);
+    return 0;
+}
+
+/* RMSNorm, D % 16 == 0: for each of M rows, s = x (+ delta when given, stored to sum), then
+ * h = s * (1 / sqrt(mean(s^2) + eps)) * w. The sum of squares runs in 16 lanes over d in order,
+ * then the lanes are added in a fixed order: a row's result never depends on the other rows.
+ * The residual add is one rounding per element, as torch's add. */
+__attribute__((target("avx512f"))) int raymoe_rms_norm(
+    const float *x, const float *delta, const float *w, float *sum, float *h, int64_t M, int64_t D, float eps) {
+    if (D % 16 || D <= 0) return -1;
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * D;
+        float *hm = h + m * D;
+        if (delta) {
+            float *sm = sum + m * D;
+            for (int64_t d = 0; d < D; d += 16)
+                _mm512_storeu_ps(sm + d, _mm512_add_ps(_mm512_loadu_ps(xm + d), _mm512_loadu_ps(delta + m * D + d)));
+            xm = sm;
+        }
+        __m512 squares = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+            __m512 v = _mm512_loadu_ps(xm + d);
+            squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        float scale = 1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)D + eps);
+        __m512 factor = _mm512_set1_ps(scale);
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(hm + d, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xm + d), factor),
+                                                    _mm512_loadu_ps(w + d)));
+    }
+    return 0;
+}
+
+/* Rotary embedding, rotate_half layout, for T tokens of `heads` heads of size d (even):
+ * x [T][heads][d] (row stride `stride` floats between tokens), cos/sin [T][d] (sin's first half
+ * negated, kernels/rope.py), out [T][heads][d] contiguous:
+ *   out[i] = x[i] * cos[i] + x[(i + d/2) % d] * sin[i]
+ * with the two products rounded, then added: the same operations, in the same order, as torch's
+ * x * cos + x.roll(d/2) * sin (this file is compiled without contraction), so the same bits. */
+int raymoe_rope(const float *x, int64_t stride, const float *cos, const float *sin, float *out,
+                int64_t T, int64_t heads, int64_t d) {
+    if (d % 2 || d <= 0) return -1;
+    const int64_t half = d / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * d, *s = sin + t * d;
+        for (int64_t hd = 0; hd < heads; hd++) {
+            const float *xh = x + t * stride + hd * d;
+            float *oh = out + (t * heads + hd) * d;
+            for (int64_t i = 0; i < half; i++) {
+                float a = xh[i] * c[i], b = xh[i + half] * s[i];
+                oh[i] = a + b;
+            }
+            for (int64_t i = half; i < d; i++) {
+                float a = xh[i] * c[i], b = xh[i - half] * s[i];
+                oh[i] = a + b;
+            }
+        }
+    }
     return 0;
 }

@@ -219,6 +219,74 @@ def test_decode_attention_matches_sdpa_and_does_not_depend_on_the_batch(heads, k
 
 
 @needs_kernel
+@pytest.mark.parametrize("single_decodes", [True, False])
+def test_a_lone_decode_takes_the_native_kernel_with_the_bits_it_has_in_a_batch(single_decodes):
+    from raymoe.kernels.attention import AttentionMetadata, AttentionSpec, SdpaAttention
+    from raymoe.moe.model_config import AttentionKind
+
+    block_size, heads, kv_heads, head_dim = 16, 8, 4, 32
+    spec = AttentionSpec(AttentionKind.GQA, heads, kv_heads, head_dim, head_dim, head_dim ** -0.5, None)
+    generator = torch.Generator().manual_seed(7)
+    caches = (torch.randn(8, block_size, kv_heads, head_dim, generator=generator),
+              torch.randn(8, block_size, kv_heads, head_dim, generator=generator))
+    q = torch.randn(2, heads, head_dim, generator=generator)
+    backend = SdpaAttention(spec, torch.float32, torch.device("cpu"))
+    assert backend.single_decodes  # float32 GQA on this CPU
+    backend.single_decodes = single_decodes
+    alone = backend.plan(AttentionMetadata.build([1], [37], [[3, 1, 6]], block_size), block_size)
+    assert (alone.decodes is not None) == single_decodes
+    pair = backend.plan(AttentionMetadata.build([1, 1], [37, 20], [[3, 1, 6], [2, 5]], block_size), block_size)
+    out_alone, out_pair = alone.attend(q[:1], caches), pair.attend(q, caches)
+    torch.testing.assert_close(out_alone[0], out_pair[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(out_alone[0], out_pair[0]) == single_decodes  # SDPA alone: other bits
+    assert not SdpaAttention(spec, torch.bfloat16, torch.device("cpu")).single_decodes
+    assert not SdpaAttention(spec).single_decodes  # no dtype or device given: SDPA as before
+
+
+# ---- norms and rotary embeddings -----------------------------------------------------------
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_rms_norm_matches_float64_is_row_invariant_and_adds_the_residual_exactly(rows):
+    from raymoe.kernels.norm import add_rms_norm, rms_norm
+
+    generator = torch.Generator().manual_seed(rows)
+    x, delta = torch.randn(rows, 256, generator=generator), torch.randn(rows, 256, generator=generator)
+    weight, eps = torch.rand(256, generator=generator) + 0.5, 1e-5
+    assert native_cpu.norm_applies(x, weight)
+    total, h = add_rms_norm(x, delta, weight, eps)
+    assert torch.equal(total, x + delta)  # one rounding per element, as torch's add
+    s = total.double()
+    reference = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    torch.testing.assert_close(h.double(), reference, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(h, F.rms_norm(total, (256,), weight, eps), rtol=2e-6, atol=1e-6)
+    assert torch.equal(rms_norm(total, weight, eps), h)
+    assert add_rms_norm(x, None, weight, eps)[0] is x
+    for row in range(rows):  # a row alone: the same bits
+        assert torch.equal(rms_norm(total[row:row + 1].clone(), weight, eps)[0], h[row])
+    native_cpu.set_enabled(False)  # torch's: the same within float32 rounding
+    torch.testing.assert_close(rms_norm(total, weight, eps), h, rtol=2e-6, atol=1e-6)
+    assert not native_cpu.norm_applies(x, weight)
+    native_cpu.set_enabled(True)
+    assert not native_cpu.norm_applies(torch.randn(3, 40), torch.rand(40))  # D not a multiple of 16
+    assert not native_cpu.norm_applies(x.t(), weight)  # not contiguous rows
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens,heads,size", [(1, 12, 32), (7, 3, 64), (4, 2, 6)])
+def test_rope_gives_torchs_bits_on_strided_heads(tokens, heads, size):
+    from raymoe.kernels.rope import apply_rope
+
+    generator = torch.Generator().manual_seed(size)
+    qkv = torch.randn(tokens, (heads + 2) * size, generator=generator)
+    x = qkv[:, :heads * size].view(tokens, heads, size)  # q and k heads inside a wider row, as the model has
+    cos, sin = torch.randn(tokens, 1, size, generator=generator), torch.randn(tokens, 1, size, generator=generator)
+    assert native_cpu.rope_applies(x, cos, sin)
+    out = apply_rope(x, cos, sin, False)
+    assert torch.equal(out, x * cos + x.roll(size // 2, -1) * sin)
+    assert not native_cpu.rope_applies(x.transpose(0, 1), cos, sin)  # heads not contiguous per token
+
+
+@needs_kernel
 def test_a_large_stack_is_packed_on_huge_page_boundaries_with_the_same_results():
     w13, w2 = _stacks(4, 256, 512)  # 6 MiB of experts: each packed layout spans huge pages
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(3))
