@@ -253,16 +253,23 @@ class WorkerExchange:
         self.top_k, self.hidden_size, self.dtype, self.device = top_k, hidden_size, dtype, device
         self.row_bytes, self.activation_bytes = self.format.row_bytes, self.format.activation_bytes
         self._identity = list(range(slots_per_worker))  # pool rows when no expert is staged
+        self._tags: dict[int, tuple[str, int, str, int]] = {}  # layer -> dispatch tag, checksum, combine tag, checksum
+
+    def _layer_tags(self, layer: int) -> tuple[str, int, str, int]:
+        tags = self._tags.get(layer)
+        if tags is None:
+            dispatch, combine = layer_tag(layer, "dispatch"), layer_tag(layer, "combine")
+            tags = self._tags[layer] = (dispatch, tag_checksum(dispatch), combine, tag_checksum(combine))
+        return tags
 
     def receive_headers(self, layer: int, timeout_s: float | None = None) -> list[list[int]] | None:
         """One header per router (host ints), or None for an idle tick (no step now)."""
-        tag = layer_tag(layer, "dispatch")
+        tag, expected, _, _ = self._layer_tags(layer)
         width = HEADER_FIELDS + self.slots_per_worker
         received = torch.empty(self.layout.num_routers, width, dtype=torch.int64, device=self.device)
         self.comm.transfer([], [(rank, received[rank]) for rank in self.layout.router_ranks], tag=tag,
                            timeout_s=timeout_s)
         headers = received.tolist()  # the worker's one host sync per layer: sizes
-        expected = tag_checksum(tag)
         kinds = set()
         for rank, (_, checksum, _, kind, *_) in enumerate(headers):
             if checksum != expected:
@@ -278,7 +285,7 @@ class WorkerExchange:
                     pool_rows: dict[int, tuple[list[int], torch.Tensor]]) -> WorkerLayerResult:
         """Rows from every router in one batch. ``pool_rows[epoch]``: the pool row of each local
         slot, as host ints and as a device tensor."""
-        tag = layer_tag(layer, "dispatch")
+        tag, _, combine_tag, combine_checksum = self._layer_tags(layer)
         counts = [header[0] for header in headers]
         epochs = [header[2] for header in headers]
         total = sum(counts)
@@ -317,13 +324,21 @@ class WorkerExchange:
         else:
             partial, assignments = torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), 0
         compute_s = time.perf_counter() - started
-        trailer = torch.frombuffer(bytearray(TRAILER.pack(compute_s, tag_checksum(layer_tag(layer, "combine")))),
-                                   dtype=torch.uint8).to(self.device)
-        sends, start = [], 0
-        partial_bytes = partial.contiguous().view(torch.uint8) if total else None
-        for rank, count in enumerate(counts):
-            body = partial_bytes[start:start + count].reshape(-1) if count else trailer[:0]
-            sends.append((rank, torch.cat([body, trailer])))
-            start += count
-        self.comm.transfer(sends, [], tag=layer_tag(layer, "combine"))
+        trailer = TRAILER.pack(compute_s, combine_checksum)
+        sends = []
+        if self.device.type == "cpu" and len(counts) == 1:  # one router: its sums, then the trailer, in one buffer
+            message = torch.empty(total * self.activation_bytes + TRAILER_BYTES, dtype=torch.uint8)
+            if total:
+                message[:-TRAILER_BYTES].view(self.dtype).view(total, -1).copy_(partial)
+            message[-TRAILER_BYTES:].numpy()[:] = memoryview(trailer)
+            sends.append((0, message))
+        else:
+            trailer = torch.frombuffer(bytearray(trailer), dtype=torch.uint8).to(self.device)
+            partial_bytes = partial.contiguous().view(torch.uint8) if total else None
+            start = 0
+            for rank, count in enumerate(counts):
+                body = partial_bytes[start:start + count].reshape(-1) if count else trailer[:0]
+                sends.append((rank, torch.cat([body, trailer])))
+                start += count
+        self.comm.transfer(sends, [], tag=combine_tag)
         return WorkerLayerResult(rows=total, assignments=assignments, compute_s=compute_s)

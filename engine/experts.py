@@ -101,7 +101,9 @@ def run_rows(rows: torch.Tensor, row_pool: torch.Tensor, row_weights: torch.Tens
     num_rows, top_k = row_pool.shape
     pool_size = w13.shape[0]
     assignments = sum(pool_counts)
-    key = torch.where(row_pool >= 0, row_pool, pool_size).reshape(-1)  # [N*k], unused positions last
+    key = row_pool.reshape(-1)  # [N*k]
+    if assignments != num_rows * top_k:  # some positions run nowhere here (-1): they sort last
+        key = torch.where(key >= 0, key, pool_size)
     chosen = torch.argsort(key, stable=True)[:assignments]  # flat (row, position), sorted by pool row
     expert_in = rows.index_select(0, torch.div(chosen, top_k, rounding_mode="floor"))
     expert_out = grouped_swiglu(expert_in, pool_counts, w13, w2, executor=executor)  # [A, D]

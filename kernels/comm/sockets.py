@@ -261,14 +261,22 @@ class SocketCommunicator(PointToPointCommunicator):
             incoming = queue[0]
             try:
                 if incoming.body is None:
-                    got = connection.recv_into(memoryview(incoming.header)[incoming.header_got:])
+                    body = _view(incoming.message.buffer)
+                    if incoming.header_got == 0 and len(body):
+                        # Frame header and body in one call (both are usually there): the body
+                        # lands where it is expected and counts only once the header checks out
+                        # (a header that does not breaks the communicator either way).
+                        got = connection.recvmsg_into([incoming.header, body])[0]
+                        incoming.header_got, incoming.body_got = min(got, HEADER.size), max(got - HEADER.size, 0)
+                    else:
+                        got = connection.recv_into(memoryview(incoming.header)[incoming.header_got:])
+                        incoming.header_got += got
                     if got == 0:
                         raise self._lost(peer, tag)
-                    incoming.header_got += got
                     if incoming.header_got < HEADER.size:
                         return
                     self._check_header(incoming, tag)
-                    incoming.body = _view(incoming.message.buffer)
+                    incoming.body = body
                 if incoming.body_got < len(incoming.body):
                     got = connection.recv_into(incoming.body[incoming.body_got:])
                     if got == 0:
