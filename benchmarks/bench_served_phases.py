@@ -38,7 +38,9 @@ import torch
 from common import build_mixtral, machine_description
 from raymoe.cluster.config import parse_cluster_config
 from raymoe.cluster.deploy import deploy
+from raymoe.engine import engine as engine_module
 from raymoe.engine import experts as local_experts
+from raymoe.engine import model as model_module
 from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.sampling_params import SamplingParams
 
@@ -51,13 +53,15 @@ def prompts_for(count: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(4, 512, (PROMPT_TOKENS,), generator=generator).tolist() for _ in range(count)]
 
 
-def in_process_steps(path: str, counts: list[int], tokens: int) -> dict[int, tuple[float, float]]:
-    """Per request count: (median decode step ms, median experts ms), on one pinned core."""
+def in_process_steps(path: str, counts: list[int], tokens: int) -> tuple[dict[int, tuple[float, float]], dict]:
+    """Per request count: (median decode step ms, median experts ms), on one pinned core; and
+    per count the medians of the step's parts (``forward``, ``sample``, ``postprocess``, ms)."""
     affinity = os.sched_getaffinity(0)
     threads = torch.get_num_threads()
     os.sched_setaffinity(0, {min(affinity)})
     torch.set_num_threads(1)
     spent = [0.0]
+    parts: dict[str, float] = {}
     original = local_experts.LocalExperts.forward
 
     def timed(self, *args, **kwargs):
@@ -67,12 +71,26 @@ def in_process_steps(path: str, counts: list[int], tokens: int) -> dict[int, tup
         finally:
             spent[0] += time.perf_counter() - started
 
+    def part(name, function):
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                parts[name] = parts.get(name, 0.0) + time.perf_counter() - started
+        return wrapper
+
+    originals = (model_module.MoEModel.forward, engine_module.sample, engine_module.LLMEngine._postprocess)
     local_experts.LocalExperts.forward = timed
+    model_module.MoEModel.forward = part("forward", originals[0])
+    engine_module.sample = part("sample", originals[1])
+    engine_module.LLMEngine._postprocess = part("postprocess", originals[2])
+    details: dict[int, dict[str, float]] = {}
     try:
         engine = LLMEngine.from_pretrained(path, EngineConfig(dtype="float32"))
         results = {}
         for count in counts:
-            steps, expert_parts = [], []
+            steps, expert_parts, step_parts = [], [], []
             for round_ in range(2):
                 for index, prompt in enumerate(prompts_for(count, seed=round_)):
                     engine.add_request(f"r{round_}-{count}-{index}", prompt,
@@ -81,15 +99,20 @@ def in_process_steps(path: str, counts: list[int], tokens: int) -> dict[int, tup
                 while engine.has_unfinished():
                     decoding = len(engine.scheduler.running) == count
                     spent[0] = 0.0
+                    parts.clear()
                     started = time.perf_counter()
                     engine.step()
                     if decoding and round_:  # the first round warms up
                         steps.append(time.perf_counter() - started)
                         expert_parts.append(spent[0])
+                        step_parts.append(dict(parts))
             results[count] = (1e3 * statistics.median(steps), 1e3 * statistics.median(expert_parts))
-        return results
+            details[count] = {name: 1e3 * statistics.median(p.get(name, 0.0) for p in step_parts)
+                              for name in ("forward", "sample", "postprocess")}
+        return results, details
     finally:
         local_experts.LocalExperts.forward = original
+        model_module.MoEModel.forward, engine_module.sample, engine_module.LLMEngine._postprocess = originals
         torch.set_num_threads(threads)
         os.sched_setaffinity(0, affinity)
 
@@ -127,6 +150,8 @@ def main() -> None:
     parser.add_argument("--requests", default="1,32", help="sequences decoding together, comma-separated")
     parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     parser.add_argument("--config", default="1x1", help="1xW: one router, W expert workers")
+    parser.add_argument("--actor-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable for the router and worker processes (repeatable), for A/B runs")
     args = parser.parse_args()
     counts = [int(n) for n in args.requests.split(",")]
     routers, workers = (int(n) for n in args.config.split("x"))
@@ -137,13 +162,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as path, tempfile.TemporaryDirectory() as phases_dir:
         build_mixtral(path)
         print(f"machine: {machine_description()}")
-        local = in_process_steps(path, counts, args.tokens)
+        local, local_parts = in_process_steps(path, counts, args.tokens)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_worker_niceness", "0")
         python_path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
         ray.init(address="local", include_dashboard=False, runtime_env={
             "worker_process_setup_hook": "served_phases_hook.install",
-            "env_vars": {"RAYMOE_PHASES_DIR": phases_dir, "PYTHONPATH": python_path}})
+            "env_vars": {"RAYMOE_PHASES_DIR": phases_dir, "PYTHONPATH": python_path,
+                         **dict(item.split("=", 1) for item in args.actor_env)}})
         config = parse_cluster_config({"model": path, "device": "cpu", "dtype": "float32", "routers": routers,
                                        "expert_workers": workers})
         deployment = deploy(config, name=f"phases-{args.config}")
@@ -183,6 +209,20 @@ def main() -> None:
               f"{router.get('exchange', 0.0):8.2f} {router.get('record', 0.0):6.2f} {outside:7.2f} "
               f"{router.get('loop', 0.0):6.2f} | {worker.get('experts', 0.0):7.2f} {transport:9.2f} | {total:6.2f} "
               f"{interval:8.2f} {total / step:11.2f}")
+    print("\nthe router's dense + sampling, split (CPU ms a step), beside the in-process engine's same parts "
+          "(wall ms, experts taken out of its forward)")
+    print(f"{'seqs':>4} | {'forward w/o MoE':>15} {'sample':>7} {'postproc':>8} {'rest':>6} | "
+          f"{'in-proc fwd w/o experts':>23} {'sample':>7} {'postproc':>8} {'rest':>6}")
+    for count, router, _, _ in rows:
+        inner = router.get("plan", 0.0) + router.get("exchange", 0.0) + router.get("record", 0.0)
+        forward = router.get("forward", 0.0) - inner
+        sample, post = router.get("sample", 0.0), router.get("postprocess", 0.0)
+        rest = router.get("engine_step", 0.0) - router.get("forward", 0.0) - sample - post
+        step, experts = local[count]
+        mine = local_parts[count]
+        local_rest = step - mine["forward"] - mine["sample"] - mine["postprocess"]
+        print(f"{count:>4} | {forward:15.2f} {sample:7.2f} {post:8.2f} {rest:6.2f} | "
+              f"{mine['forward'] - experts:23.2f} {mine['sample']:7.2f} {mine['postprocess']:8.2f} {local_rest:6.2f}")
 
 
 if __name__ == "__main__":

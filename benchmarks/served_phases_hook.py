@@ -7,7 +7,8 @@ imported by raymoe itself: the serving code carries no timers of its own beyond 
 
 Phases (each inclusive of what it calls; the benchmark derives the exclusive parts):
 - router: ``group_step`` (Router._group_step: one step of the step thread, engine and
-  exchange), ``engine_step`` (LLMEngine.step), ``plan`` (the exchange plan), ``exchange``
+  exchange), ``engine_step`` (LLMEngine.step), ``forward`` (MoEModel.forward inside it),
+  ``sample`` and ``postprocess`` (sampling, and each sequence's bookkeeping after it), ``plan`` (the exchange plan), ``exchange``
   (RouterExchange.exchange: pack, send, receive, combine), ``record`` (telemetry per layer),
   ``loop`` (the step thread's CPU between two group steps: delivery, inbox).
 - worker: ``headers`` (WorkerExchange.receive_headers), ``serve`` (WorkerExchange.serve_layer),
@@ -81,10 +82,15 @@ def _group_step(function):
 
 def install() -> None:
     from raymoe.actors import router
-    from raymoe.engine import engine, ep_exchange, remote_experts
+    from raymoe.engine import engine, ep_exchange, model, remote_experts
 
     router.Router._group_step = _group_step(router.Router._group_step)
     engine.LLMEngine.step = _timed("engine_step", engine.LLMEngine.step)
+    # inside the engine step: the model's forward (the MoE layers' plan and exchange included),
+    # sampling and each sequence's bookkeeping; the rest of the step is the scheduler and inputs
+    model.MoEModel.forward = _timed("forward", model.MoEModel.forward)
+    engine.sample = _timed("sample", engine.sample)
+    engine.LLMEngine._postprocess = _timed("postprocess", engine.LLMEngine._postprocess)
     remote_experts.plan_exchange = _timed("plan", remote_experts.plan_exchange)
     remote_experts.plan_exchange_on_host = _timed("plan", remote_experts.plan_exchange_on_host)
     remote_experts.RemoteExperts._record = _timed("record", remote_experts.RemoteExperts._record)
