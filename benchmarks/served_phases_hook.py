@@ -12,7 +12,7 @@ Phases (each inclusive of what it calls; the benchmark derives the exclusive par
   (RouterExchange.exchange: pack, send, receive, combine), ``record`` (telemetry per layer),
   ``loop`` (the step thread's CPU between two group steps: delivery, inbox).
 - worker: ``headers`` (WorkerExchange.receive_headers), ``serve`` (WorkerExchange.serve_layer),
-  ``experts`` (run_rows inside it).
+  ``experts`` (run_rows inside it, or the native kernels' one call for it).
 """
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ def install() -> None:
     ep_exchange.RouterExchange.exchange = _timed("exchange", ep_exchange.RouterExchange.exchange)
     ep_exchange.WorkerExchange.receive_headers = _timed("headers", ep_exchange.WorkerExchange.receive_headers)
     ep_exchange.run_rows = _timed("experts", ep_exchange.run_rows)
+    ep_exchange.native_run_rows = _timed("experts", ep_exchange.native_run_rows)  # the native kernels' one call
     serve_layer = _timed("serve", ep_exchange.WorkerExchange.serve_layer)
 
     def counted_serve_layer(self, layer, *args, **kwargs):  # a worker counts a step at its first layer

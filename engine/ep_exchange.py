@@ -33,11 +33,13 @@ from dataclasses import dataclass
 import torch
 
 from raymoe.engine.experts import combine_partials, run_rows
+from raymoe.kernels import native_cpu
 from raymoe.kernels.comm.errors import CollectiveMismatch, CommError
 from raymoe.kernels.comm.layout import tag_checksum
 from raymoe.kernels.comm.p2p import PointToPointCommunicator
 from raymoe.moe.exchange_plan import ExchangePlan
 
+native_run_rows = native_cpu.run_rows  # (a module name: benchmarks/served_phases_hook.py times it)
 HEADER_FIELDS = 4  # rows, tag checksum, epoch, kind; then the assignments of each local slot
 KIND_STEP = 1
 KIND_IDLE = 2
@@ -254,6 +256,7 @@ class WorkerExchange:
         self.row_bytes, self.activation_bytes = self.format.row_bytes, self.format.activation_bytes
         self._identity = list(range(slots_per_worker))  # pool rows when no expert is staged
         self._tags: dict[int, tuple[str, int, str, int]] = {}  # layer -> dispatch tag, checksum, combine tag, checksum
+        self._probe = torch.empty(1, hidden_size, dtype=dtype, device=device)  # rows' dtype and device, for kernel checks
 
     def _layer_tags(self, layer: int) -> tuple[str, int, str, int]:
         tags = self._tags.get(layer)
@@ -285,7 +288,7 @@ class WorkerExchange:
                     pool_rows: dict[int, tuple[list[int], torch.Tensor]]) -> WorkerLayerResult:
         """Rows from every router in one batch. ``pool_rows[epoch]``: the pool row of each local
         slot, as host ints and as a device tensor."""
-        tag, _, combine_tag, combine_checksum = self._layer_tags(layer)
+        tag = self._layer_tags(layer)[0]
         counts = [header[0] for header in headers]
         epochs = [header[2] for header in headers]
         total = sum(counts)
@@ -306,6 +309,18 @@ class WorkerExchange:
         self.comm.transfer([], recvs, tag=tag)
         started = time.perf_counter()
         k = self.top_k
+        if total and self.executor is None and native_cpu.experts_apply(self._probe, w13, w2):
+            # float32 on a CPU with the native kernels: plan, gather, experts and per-row sums in one call
+            used = [(count, epoch) for count, epoch in zip(counts, epochs) if count]
+            maps = (pool_rows[used[0][1]][1].view(1, -1) if len(used) == 1
+                    else torch.stack([pool_rows[epoch][1] for _, epoch in used]))
+            assignments = sum(pool_counts)
+            message = None
+            if len(counts) == 1:  # one router: the sums go straight into the message that carries them back
+                message = torch.empty(total * self.activation_bytes + TRAILER_BYTES, dtype=torch.uint8)
+            partial = native_run_rows(payload, k, maps, [count for count, _ in used], w13, w2, assignments,
+                                      out=None if message is None else message[:-TRAILER_BYTES].view(torch.float32))
+            return self._send_sums(layer, counts, total, partial, assignments, time.perf_counter() - started, message)
         rows = payload[:, :self.activation_bytes].view(self.dtype)  # [N, D]
         slots = payload[:, self.activation_bytes:self.activation_bytes + 4 * k].view(torch.int32)  # [N, k]
         weights = payload[:, self.activation_bytes + 4 * k:].view(torch.float32)  # [N, k]
@@ -323,13 +338,20 @@ class WorkerExchange:
             partial, assignments = run_rows(rows, row_pool, weights, w13, w2, pool_counts, self.executor)
         else:
             partial, assignments = torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), 0
-        compute_s = time.perf_counter() - started
+        return self._send_sums(layer, counts, total, partial, assignments, time.perf_counter() - started)
+
+    def _send_sums(self, layer: int, counts: list[int], total: int, partial: torch.Tensor, assignments: int,
+                   compute_s: float, message: torch.Tensor | None = None) -> WorkerLayerResult:
+        """Each router's rows of ``partial``, then the trailer (expert seconds, tag checksum).
+        ``message``: one router's buffer whose first bytes already hold ``partial``."""
+        _, _, combine_tag, combine_checksum = self._layer_tags(layer)
         trailer = TRAILER.pack(compute_s, combine_checksum)
         sends = []
-        if self.device.type == "cpu" and len(counts) == 1:  # one router: its sums, then the trailer, in one buffer
-            message = torch.empty(total * self.activation_bytes + TRAILER_BYTES, dtype=torch.uint8)
-            if total:
-                message[:-TRAILER_BYTES].view(self.dtype).view(total, -1).copy_(partial)
+        if message is not None or (self.device.type == "cpu" and len(counts) == 1):  # sums, then trailer: one buffer
+            if message is None:
+                message = torch.empty(total * self.activation_bytes + TRAILER_BYTES, dtype=torch.uint8)
+                if total:
+                    message[:-TRAILER_BYTES].view(self.dtype).view(total, -1).copy_(partial)
             message[-TRAILER_BYTES:].numpy()[:] = memoryview(trailer)
             sends.append((0, message))
         else:

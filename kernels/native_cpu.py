@@ -78,7 +78,9 @@ _SIGNATURES = {
     "raymoe_decode_attention": [_P] * 7 + [_I64] * 6 + [ctypes.c_float],
     "raymoe_rms_norm": [_P] * 5 + [_I64] * 2 + [ctypes.c_float],
     "raymoe_rope": [_P, _I64, _P, _P, _P, _I64, _I64, _I64],
+    "raymoe_run_rows": [_P] + [_I64] * 5 + [_P, _P] + [_I64] * 2 + [_P, _P] + [_I64] * 2 + [_P],
 }
+_RETURNS = {"raymoe_run_rows": ctypes.c_int64}  # the others return an int status
 
 
 def set_enabled(enabled: bool) -> None:
@@ -102,7 +104,7 @@ def unavailable_reason() -> str | None:
                     raise OSError("this CPU has no AVX-512F")
                 for name, argtypes in _SIGNATURES.items():
                     function = getattr(library, name)
-                    function.restype, function.argtypes = ctypes.c_int, argtypes
+                    function.restype, function.argtypes = _RETURNS.get(name, ctypes.c_int), argtypes
                 _library = library
             except (OSError, subprocess.SubprocessError) as error:
                 _reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -148,6 +150,34 @@ def swiglu_jobs(x: torch.Tensor, out: torch.Tensor, w13: torch.Tensor, w2: torch
     _check(_library.raymoe_swiglu_experts(x.data_ptr(), out.data_ptr(), packed13.data_ptr(), packed2.data_ptr(),
                                           flat.buffer_info()[0], len(jobs), w13.shape[2], w2.shape[2],
                                           scratch.data_ptr()), "raymoe_swiglu_experts")
+
+
+def run_rows(payload: torch.Tensor, top_k: int, maps: torch.Tensor, segment_rows: list[int], w13: torch.Tensor,
+             w2: torch.Tensor, assignments: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A worker's received rows through its experts in one call (engine/experts.py::run_rows's
+    arithmetic, so its bits): ``payload: [N, D*4 + 8k]`` uint8 rows as dispatched (activations,
+    k int32 local slots, k float32 weights), in segments of ``segment_rows`` rows; ``maps:
+    [segments, S]`` int64, the pool row serving each local slot for that segment; ``assignments``:
+    what the routers' headers announced. Returns ``[N, D]`` float32, written into ``out`` (any
+    contiguous float32 buffer of N * D) when given (:func:`experts_apply` checked for the pool,
+    float32 rows)."""
+    num_rows, row_bytes = payload.shape
+    hidden, intermediate = w13.shape[2], w2.shape[2]
+    packed13, packed2 = _packed_experts(w13, w2)
+    payload, maps = payload.contiguous(), maps.contiguous()
+    counts = array.array("q", segment_rows)
+    out = torch.empty(num_rows, hidden, dtype=torch.float32) if out is None else out.view(num_rows, hidden)
+    status = _library.raymoe_run_rows(payload.data_ptr(), num_rows, row_bytes, hidden, intermediate, top_k,
+                                      maps.data_ptr(), counts.buffer_info()[0], len(segment_rows), maps.shape[1],
+                                      packed13.data_ptr(), packed2.data_ptr(), w13.shape[0], assignments,
+                                      out.data_ptr())
+    if status == -3:
+        raise ValueError("a dispatched row names a local slot or pool row outside this worker's")
+    if status == -4:
+        raise ValueError(f"the routers' headers announced {assignments} assignments but their rows hold others")
+    if status < 0:
+        _check(int(status), "raymoe_run_rows")
+    return out
 
 
 def prepare_experts(w13: torch.Tensor, w2: torch.Tensor) -> bool:

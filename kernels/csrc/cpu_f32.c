@@ -6,6 +6,7 @@
  * 3. raymoe_decode_attention: one query per sequence against its keys in a paged cache (GQA).
  * 4. raymoe_rms_norm: RMSNorm of each row, optionally after adding a residual (x + delta).
  * 5. raymoe_rope: rotary embedding of q and k heads side by side (the rotate_half layout).
+ * 6. raymoe_run_rows: a worker's received rows through its experts, weighted and summed per row.
  *
  * Weights come packed once (kernels/native_cpu.py):
  *   w13: [R][I/16][D][2][16]  panel p holds gate and up columns 16p..16p+15, k-major
@@ -281,4 +282,92 @@ int raymoe_rope(const float *x, int64_t stride, const float *cos, const float *s
         }
     }
     return 0;
+}
+
+/* A worker's received rows through its experts (engine/experts.py::run_rows, in one call).
+ * payload: N rows of row_bytes bytes each: D floats, then k int32 local slots (-1: runs
+ * nowhere here), then k float32 gate weights. Rows come in segments (one per router, in order,
+ * seg_rows[g] rows each); maps[g][s] is the pool row that serves local slot s for segment g.
+ * Assignments are ordered by pool row, and within one by (row, position), as a stable sort of
+ * the flat positions would order them; each pool row's run goes through the experts kernel
+ * above; then out[n] = sum over positions p in order of (y * w) from zero, each product and
+ * each sum rounded: the arithmetic of the torch path, so the same bits.
+ * w13/w2 packed as for raymoe_swiglu_experts; P pool rows. Returns the number of assignments,
+ * -1 on a shape it does not take, -2 out of memory, -3 a slot or pool row out of range,
+ * -4 when the assignments differ from `expected`. */
+__attribute__((target("avx512f"))) int64_t raymoe_run_rows(
+    const uint8_t *payload, int64_t N, int64_t row_bytes, int64_t D, int64_t I, int64_t k,
+    const int64_t *maps, const int64_t *seg_rows, int64_t segments, int64_t S,
+    const float *w13, const float *w2, int64_t P, int64_t expected, float *out) {
+    if (D % 32 || I % 16 || D <= 0 || I <= 0 || k <= 0 || row_bytes != 4 * D + 8 * k) return -1;
+    int64_t *count = calloc((size_t)(2 * P + 1), sizeof(int64_t));
+    int64_t *where = malloc(sizeof(int64_t) * (size_t)(N * k + 1)); /* (row, position) -> assignment, or -1 */
+    if (!count || !where) { free(count); free(where); return -2; }
+    int64_t *start = count + P;
+    /* Pass 1: each (row, position)'s pool row, counted. */
+    int64_t n = 0, total = 0;
+    for (int64_t g = 0; g < segments; g++)
+        for (int64_t r = 0; r < seg_rows[g]; r++, n++) {
+            const int32_t *slots = (const int32_t *)(payload + n * row_bytes + 4 * D);
+            for (int64_t p = 0; p < k; p++) {
+                int64_t pool = -1;
+                if (slots[p] >= 0) {
+                    if (slots[p] >= S) { free(count); free(where); return -3; }
+                    pool = maps[g * S + slots[p]];
+                    if (pool < 0 || pool >= P) { free(count); free(where); return -3; }
+                    count[pool]++;
+                    total++;
+                }
+                where[n * k + p] = pool;
+            }
+        }
+    if (n != N) { free(count); free(where); return -1; }
+    if (total != expected) { free(count); free(where); return -4; }
+    /* Pass 2: place the assignments, pool row by pool row, in (row, position) order. */
+    int64_t *jobs = malloc(sizeof(int64_t) * (size_t)(3 * P + 1));
+    float *x = malloc(sizeof(float) * (size_t)((total ? total : 1) * D));
+    float *y = malloc(sizeof(float) * (size_t)((total ? total : 1) * D));
+    float *scratch = malloc(sizeof(float) * (size_t)(CHUNK_ROWS * I));
+    if (!jobs || !x || !y || !scratch) {
+        free(count); free(where); free(jobs); free(x); free(y); free(scratch); return -2;
+    }
+    int64_t n_jobs = 0, offset = 0;
+    for (int64_t pool = 0; pool < P; pool++) {
+        start[pool] = offset;
+        if (count[pool]) {
+            jobs[3 * n_jobs] = pool;
+            jobs[3 * n_jobs + 1] = offset;
+            jobs[3 * n_jobs + 2] = offset + count[pool];
+            n_jobs++;
+        }
+        offset += count[pool];
+    }
+    for (int64_t flat = 0; flat < N * k; flat++) {
+        int64_t pool = where[flat];
+        if (pool < 0) continue;
+        int64_t a = start[pool]++;
+        where[flat] = a;
+        const float *row = (const float *)(payload + (flat / k) * row_bytes);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(x + a * D + d, _mm512_loadu_ps(row + d));
+    }
+    int status = raymoe_swiglu_experts(x, y, w13, w2, jobs, n_jobs, D, I, scratch);
+    if (status == 0) {
+        /* Pass 3: each row's weighted outputs, summed in position order from zero. */
+        for (int64_t row = 0; row < N; row++) {
+            const float *weights = (const float *)(payload + row * row_bytes + 4 * D + 4 * k);
+            float *o = out + row * D;
+            for (int64_t d = 0; d < D; d += 16) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t p = 0; p < k; p++) {
+                    int64_t a = where[row * k + p]; /* (after pass 2: its assignment, or -1) */
+                    __m512 term = a < 0 ? _mm512_setzero_ps()  /* a position that ran nowhere adds zero */
+                                        : _mm512_mul_ps(_mm512_loadu_ps(y + a * D + d), _mm512_set1_ps(weights[p]));
+                    acc = _mm512_add_ps(acc, term);
+                }
+                _mm512_storeu_ps(o + d, acc);
+            }
+        }
+    }
+    free(count); free(where); free(jobs); free(x); free(y); free(scratch);
+    return status == 0 ? total : -1;
 }

@@ -243,6 +243,41 @@ def test_a_lone_decode_takes_the_native_kernel_with_the_bits_it_has_in_a_batch(s
     assert not SdpaAttention(spec).single_decodes  # no dtype or device given: SDPA as before
 
 
+# ---- a worker's rows ------------------------------------------------------------------------
+@needs_kernel
+@pytest.mark.parametrize("top_k", [1, 2, 4, 8])
+@pytest.mark.parametrize("num_rows", [1, 6, 41])
+def test_run_rows_in_one_call_gives_the_torch_paths_bits(top_k, num_rows):
+    from raymoe.engine.experts import run_rows
+
+    hidden, intermediate, pool, slots = 64, 48, 7, 5
+    generator = torch.Generator().manual_seed(top_k * 100 + num_rows)
+    w13, w2 = _stacks(pool, hidden, intermediate, seed=top_k)
+    segments = [num_rows // 2, num_rows - num_rows // 2] if num_rows > 1 else [1]  # two routers' rows
+    maps = torch.tensor([[3, 0, 6, 1, 2], [0, 1, 2, 3, 4]])[:len(segments)]  # a staged epoch, and identity
+    x = torch.randn(num_rows, hidden, generator=generator)
+    local = torch.randint(-1, slots, (num_rows, top_k), generator=generator, dtype=torch.int32)  # -1: not here
+    weights = torch.rand(num_rows, top_k, generator=generator)
+    payload = torch.cat([x.view(torch.uint8), local.view(torch.uint8), weights.view(torch.uint8)], dim=1)
+    segment = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor(segments))
+    row_pool = torch.where(local >= 0, maps[segment.unsqueeze(1), local.long().clamp(min=0)], -1)
+    pool_counts = [int((row_pool == p).sum()) for p in range(pool)]
+    reference, assignments = run_rows(x, row_pool, weights, w13, w2, pool_counts)
+    assert native_cpu.experts_apply(x, w13, w2)  # (the caller's check: it also builds the kernels)
+    out = native_cpu.run_rows(payload, top_k, maps, segments, w13, w2, assignments)
+    assert assignments == sum(pool_counts)
+    assert torch.equal(out, reference)  # same plan order, kernel and sums: the same bits
+    into = torch.full((num_rows * hidden + 4,), float("nan"))
+    native_cpu.run_rows(payload, top_k, maps, segments, w13, w2, assignments, out=into[:-4])
+    assert torch.equal(into[:-4].view(num_rows, hidden), reference) and into[-4:].isnan().all()
+    with pytest.raises(ValueError, match="announced"):  # a header that disagrees with its rows
+        native_cpu.run_rows(payload, top_k, maps, segments, w13, w2, assignments + 1)
+    bad = payload.clone()
+    bad[0, 4 * hidden:4 * hidden + 4] = torch.tensor([slots], dtype=torch.int32).view(torch.uint8)
+    with pytest.raises(ValueError, match="outside"):
+        native_cpu.run_rows(bad, top_k, maps, segments, w13, w2, assignments)
+
+
 # ---- norms and rotary embeddings -----------------------------------------------------------
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 5, 33])
