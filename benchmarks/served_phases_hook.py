@@ -8,7 +8,7 @@ imported by raymoe itself: the serving code carries no timers of its own beyond 
 Phases (each inclusive of what it calls; the benchmark derives the exclusive parts):
 - router: ``group_step`` (Router._group_step: one step of the step thread, engine and
   exchange), ``engine_step`` (LLMEngine.step), ``forward`` (MoEModel.forward inside it),
-  ``sample`` and ``postprocess`` (sampling, and each sequence's bookkeeping after it), ``plan`` (the exchange plan), ``exchange``
+  ``sample`` and ``postprocess`` (sampling, and each sequence's bookkeeping after it), ``plan`` (the exchange plan; with the native kernels it packs the rows too), ``exchange``
   (RouterExchange.exchange: pack, send, receive, combine), ``record`` (telemetry per layer),
   ``loop`` (the step thread's CPU between two group steps: delivery, inbox).
 - worker: ``headers`` (WorkerExchange.receive_headers), ``serve`` (WorkerExchange.serve_layer),
@@ -83,6 +83,7 @@ def _group_step(function):
 def install() -> None:
     from raymoe.actors import router
     from raymoe.engine import engine, ep_exchange, model, remote_experts
+    from raymoe.kernels import native_cpu
 
     router.Router._group_step = _group_step(router.Router._group_step)
     engine.LLMEngine.step = _timed("engine_step", engine.LLMEngine.step)
@@ -93,6 +94,7 @@ def install() -> None:
     engine.LLMEngine._postprocess = _timed("postprocess", engine.LLMEngine._postprocess)
     remote_experts.plan_exchange = _timed("plan", remote_experts.plan_exchange)
     remote_experts.plan_exchange_on_host = _timed("plan", remote_experts.plan_exchange_on_host)
+    native_cpu.plan_pack = _timed("plan", native_cpu.plan_pack)  # (the native plan packs the rows too)
     remote_experts.RemoteExperts._record = _timed("record", remote_experts.RemoteExperts._record)
     ep_exchange.RouterExchange.exchange = _timed("exchange", ep_exchange.RouterExchange.exchange)
     ep_exchange.WorkerExchange.receive_headers = _timed("headers", ep_exchange.WorkerExchange.receive_headers)

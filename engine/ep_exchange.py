@@ -149,9 +149,11 @@ class RouterExchange:
             headers = headers.to(self.device)
         packed = None
         if plan is not None and plan.num_rows:
-            rows = hidden.index_select(0, plan.row_token)  # [N, D]
-            packed = torch.cat([rows.view(torch.uint8), plan.row_slots.view(torch.uint8),
-                                plan.row_weights.view(torch.uint8)], dim=1)  # [N, row_bytes]
+            packed = plan.packed  # the planner's packed rows, where it packed them
+            if packed is None:
+                rows = hidden.index_select(0, plan.row_token)  # [N, D]
+                packed = torch.cat([rows.view(torch.uint8), plan.row_slots.view(torch.uint8),
+                                    plan.row_weights.view(torch.uint8)], dim=1)  # [N, row_bytes]
         # One receive buffer for every worker's sums and trailer, in worker order.
         row_bytes = self.combine_row_bytes
         total = sum(counts[worker] for worker in self._rank_of_worker)

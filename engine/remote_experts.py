@@ -17,7 +17,8 @@ from raymoe.engine.ep_exchange import RouterExchange
 from raymoe.engine.telemetry import Telemetry
 from raymoe.kernels.comm.errors import CommError
 from raymoe.moe.capacity import CapacityConfig, OverflowPolicy, keep_mask
-from raymoe.moe.exchange_plan import plan_exchange, plan_exchange_on_host
+from raymoe.kernels import native_cpu
+from raymoe.moe.exchange_plan import ExchangePlan, plan_exchange, plan_exchange_on_host
 from raymoe.moe.placement import PlacementTable
 
 
@@ -87,7 +88,9 @@ class RemoteExperts:
         placement = self.placement
         log2phy, logcnt = self._tables[moe_layer]
         kept = None if self.capacity.policy is OverflowPolicy.NONE else keep_mask(topk_ids, placement.num_experts, self.capacity)
-        if topk_ids.device.type == "cpu":  # the host is the device: numpy plans in half the time
+        if topk_ids.device.type == "cpu" and native_cpu.plan_applies(hidden):  # plan and packed rows: one call
+            plan = self._plan_native(topk_ids, topk_weights, kept, log2phy, logcnt, hidden)
+        elif topk_ids.device.type == "cpu":  # the host is the device: numpy plans in half the time
             plan = plan_exchange_on_host(topk_ids, topk_weights, kept, placement.log2phy[moe_layer],
                                          placement.logcnt[moe_layer], placement.slots_per_worker, placement.num_workers)
         else:
@@ -99,6 +102,17 @@ class RemoteExperts:
         self._real = True
         self._moe_seconds += time.perf_counter() - started
         return out
+
+    def _plan_native(self, topk_ids, topk_weights, kept, log2phy, logcnt, hidden) -> ExchangePlan:
+        """``plan_exchange_on_host``'s plan, bit for bit, with the rows packed for the wire, in one
+        native call (float32 on a CPU with raymoe's native kernels)."""
+        placement = self.placement
+        slot, send_counts, slot_counts, row_token, packed = native_cpu.plan_pack(
+            topk_ids, topk_weights, kept, log2phy, logcnt, placement.slots_per_worker, placement.num_workers, hidden)
+        activations, top_k = 4 * hidden.shape[1], topk_ids.shape[1]
+        return ExchangePlan(topk_ids.shape[0], placement.num_workers, slot, send_counts, slot_counts, row_token,
+                            packed[:, activations:activations + 4 * top_k].view(torch.int32),
+                            packed[:, activations + 4 * top_k:].view(torch.float32), packed)
 
     def _record(self, layer, topk_ids, plan, kept, log2phy, traffic, hidden) -> None:
         """Per-layer counts, as they are: the plan's per-slot counts (host ints) become logical

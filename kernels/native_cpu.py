@@ -79,8 +79,9 @@ _SIGNATURES = {
     "raymoe_rms_norm": [_P] * 5 + [_I64] * 2 + [ctypes.c_float],
     "raymoe_rope": [_P, _I64, _P, _P, _P, _I64, _I64, _I64],
     "raymoe_run_rows": [_P] + [_I64] * 5 + [_P, _P] + [_I64] * 2 + [_P, _P] + [_I64] * 2 + [_P],
+    "raymoe_plan_pack": [_P] * 5 + [_I64] * 6 + [_P, _I64] + [_P] * 5,
 }
-_RETURNS = {"raymoe_run_rows": ctypes.c_int64}  # the others return an int status
+_RETURNS = {"raymoe_run_rows": ctypes.c_int64, "raymoe_plan_pack": ctypes.c_int64}  # the others: an int status
 
 
 def set_enabled(enabled: bool) -> None:
@@ -178,6 +179,40 @@ def run_rows(payload: torch.Tensor, top_k: int, maps: torch.Tensor, segment_rows
     if status < 0:
         _check(int(status), "raymoe_run_rows")
     return out
+
+
+def plan_applies(hidden: torch.Tensor) -> bool:
+    """Whether :func:`plan_pack` takes a layer whose activations are ``hidden``: float32 on the CPU."""
+    return _takes(hidden) and hidden.dim() == 2 and unavailable_reason() is None
+
+
+def plan_pack(topk_ids: torch.Tensor, topk_weights: torch.Tensor, kept: torch.Tensor | None, log2phy: torch.Tensor,
+              logcnt: torch.Tensor, slots_per_worker: int, num_workers: int, hidden: torch.Tensor):
+    """moe/exchange_plan.py's plan of one layer and its rows packed for the wire, in one call
+    (:func:`plan_applies` checked). Returns ``(slot [T, k], send_counts, slot_counts, row_token [N],
+    packed [N, 4D + 8k] uint8)``: the same plan, bit for bit, as ``plan_exchange_on_host``."""
+    num_tokens, top_k = topk_ids.shape
+    width = hidden.shape[1]
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    kept_bytes = kept.to(torch.uint8).contiguous() if kept is not None else None
+    log2phy, logcnt, hidden = log2phy.contiguous(), logcnt.contiguous(), hidden.contiguous()
+    slot = torch.empty(num_tokens, top_k, dtype=torch.int64)
+    counts = torch.empty(num_workers + num_workers * slots_per_worker, dtype=torch.int64)
+    most = num_tokens * num_workers
+    row_token = torch.empty(most, dtype=torch.int64)
+    packed = torch.empty(most, 4 * width + 8 * top_k, dtype=torch.uint8)
+    rows = _library.raymoe_plan_pack(
+        ids.data_ptr(), weights.data_ptr(), kept_bytes.data_ptr() if kept_bytes is not None else None,
+        log2phy.data_ptr(), logcnt.data_ptr(), num_tokens, top_k, log2phy.shape[0], log2phy.shape[1],
+        slots_per_worker, num_workers, hidden.data_ptr(), width, slot.data_ptr(), counts.data_ptr(),
+        counts[num_workers:].data_ptr(), row_token.data_ptr(), packed.data_ptr())
+    if rows == -1:
+        raise ValueError("a gate's expert, or the placement's replica or slot for it, is out of range")
+    if rows < 0:
+        _check(int(rows), "raymoe_plan_pack")
+    counts = counts.tolist()
+    return slot, counts[:num_workers], counts[num_workers:], row_token[:rows], packed[:rows]
 
 
 def prepare_experts(w13: torch.Tensor, w2: torch.Tensor) -> bool:

@@ -37,6 +37,10 @@ class ExchangePlan:
     row_token: torch.Tensor  # [N] token of each row, grouped by worker, ascending within one
     row_slots: torch.Tensor  # [N, k] int32 local slot at each of the token's k positions, or -1
     row_weights: torch.Tensor  # [N, k] float32 gate weight there (0 where row_slots is -1)
+    # [N, 4D + 8k] uint8: the rows as they go on the wire (activations, row_slots, row_weights),
+    # when the planner packed them too (kernels/native_cpu.py::plan_pack); row_slots and
+    # row_weights are then views of it
+    packed: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

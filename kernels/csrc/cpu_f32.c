@@ -7,6 +7,7 @@
  * 4. raymoe_rms_norm: RMSNorm of each row, optionally after adding a residual (x + delta).
  * 5. raymoe_rope: rotary embedding of q and k heads side by side (the rotate_half layout).
  * 6. raymoe_run_rows: a worker's received rows through its experts, weighted and summed per row.
+ * 7. raymoe_plan_pack: a router's plan of one MoE layer's exchange and its packed rows.
  *
  * Weights come packed once (kernels/native_cpu.py):
  *   w13: [R][I/16][D][2][16]  panel p holds gate and up columns 16p..16p+15, k-major
@@ -370,4 +371,64 @@ __attribute__((target("avx512f"))) int64_t raymoe_run_rows(
     }
     free(count); free(where); free(jobs); free(x); free(y); free(scratch);
     return status == 0 ? total : -1;
+}
+
+/* A router's plan and packed rows for one MoE layer (moe/exchange_plan.py's rules, in one call):
+ * ids [T][k] int64 logical experts, weights [T][k] float32, kept [T][k] uint8 or NULL (all kept),
+ * log2phy [E][R] int64 physical slots of each expert's replicas, logcnt [E] their number;
+ * S slots per worker, W workers. The i-th kept assignment of expert e in (token, position) order
+ * goes to replica i % logcnt[e]; each token is sent once to each worker that runs any of its
+ * assignments, rows worker-major and tokens ascending within a worker; a row carries the
+ * token's D activations (hidden [T][D] float32), then at each position the local slot there
+ * (-1: another worker's, or dropped) and the gate weight (0 there).
+ * Outputs: slot [T][k] physical slots (-1 dropped), send_counts [W], slot_counts [W*S],
+ * row_token [T*W at most], packed [N][4D + 8k] bytes (room for T*W rows). Returns N, or -1 on an
+ * expert, replica or slot out of range. */
+int64_t raymoe_plan_pack(
+    const int64_t *ids, const float *weights, const uint8_t *kept, const int64_t *log2phy, const int64_t *logcnt,
+    int64_t T, int64_t k, int64_t E, int64_t R, int64_t S, int64_t W, const float *hidden, int64_t D,
+    int64_t *slot, int64_t *send_counts, int64_t *slot_counts, int64_t *row_token, uint8_t *packed) {
+    int64_t *seen = calloc((size_t)E + 1, sizeof(int64_t));
+    if (!seen) return -2;
+    for (int64_t w = 0; w < W; w++) send_counts[w] = 0;
+    for (int64_t s = 0; s < W * S; s++) slot_counts[s] = 0;
+    for (int64_t a = 0; a < T * k; a++) {
+        int64_t e = ids[a];
+        if (e < 0 || e >= E) { free(seen); return -1; }
+        if (kept && !kept[a]) { slot[a] = -1; continue; }
+        int64_t replicas = logcnt[e] > 0 ? logcnt[e] : 1;
+        int64_t replica = R == 1 ? 0 : seen[e]++ % replicas;
+        if (replica >= R) { free(seen); return -1; }
+        int64_t s = log2phy[e * R + replica];
+        if (s >= W * S) { free(seen); return -1; }
+        slot[a] = s;
+        if (s >= 0) slot_counts[s]++;
+    }
+    free(seen);
+    const int64_t row_bytes = 4 * D + 8 * k;
+    int64_t n = 0;
+    for (int64_t w = 0; w < W; w++)
+        for (int64_t t = 0; t < T; t++) {
+            int any = 0;
+            for (int64_t p = 0; p < k; p++) {
+                int64_t s = slot[t * k + p];
+                if (s >= 0 && s / S == w) { any = 1; break; }
+            }
+            if (!any) continue;
+            uint8_t *row = packed + n * row_bytes;
+            const float *h = hidden + t * D;
+            float *activations = (float *)row;
+            for (int64_t d = 0; d < D; d++) activations[d] = h[d];
+            int32_t *local = (int32_t *)(row + 4 * D);
+            float *gate = (float *)(row + 4 * D + 4 * k);
+            for (int64_t p = 0; p < k; p++) {
+                int64_t s = slot[t * k + p];
+                int mine = s >= 0 && s / S == w;
+                local[p] = mine ? (int32_t)(s % S) : -1;
+                gate[p] = mine ? weights[t * k + p] : 0.0f;
+            }
+            row_token[n++] = t;
+            send_counts[w]++;
+        }
+    return n;
 }

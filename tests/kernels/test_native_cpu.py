@@ -278,6 +278,42 @@ def test_run_rows_in_one_call_gives_the_torch_paths_bits(top_k, num_rows):
         native_cpu.run_rows(bad, top_k, maps, segments, w13, w2, assignments)
 
 
+@needs_kernel
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_pack_is_the_host_plan_bit_for_bit_with_its_rows_packed(seed):
+    from raymoe.moe.exchange_plan import plan_exchange_on_host
+
+    generator = torch.Generator().manual_seed(seed)
+    experts, slots, hidden = 8, 4, 64
+    workers, replicas = 1 + seed % 4, 1 + seed % 2
+    for trial in range(25):
+        tokens, top_k = int(torch.randint(1, 40, (), generator=generator)), 1 + trial % 4
+        log2phy = torch.randint(0, workers * slots, (experts, replicas), generator=generator)
+        logcnt = torch.randint(1, replicas + 1, (experts,), generator=generator)
+        for expert in range(experts):
+            log2phy[expert, logcnt[expert]:] = -1
+        if trial % 5 == 0:  # an expert placed nowhere: its assignments are dropped
+            log2phy[0], logcnt[0] = -1, 0
+        ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+        weights = torch.rand(tokens, top_k, generator=generator)
+        kept = torch.rand(tokens, top_k, generator=generator) > 0.2 if trial % 2 else None
+        x = torch.randn(tokens, hidden, generator=generator)
+        assert native_cpu.plan_applies(x)
+        reference = plan_exchange_on_host(ids, weights, kept, log2phy.numpy(), logcnt.numpy(), slots, workers)
+        slot, send_counts, slot_counts, row_token, packed = native_cpu.plan_pack(
+            ids, weights, kept, log2phy, logcnt, slots, workers, x)
+        assert torch.equal(slot, reference.slot)
+        assert (send_counts, slot_counts) == (reference.send_counts, reference.slot_counts)
+        assert torch.equal(row_token, reference.row_token)
+        wire = torch.cat([x.index_select(0, reference.row_token).view(torch.uint8),
+                          reference.row_slots.view(torch.uint8), reference.row_weights.view(torch.uint8)], dim=1)
+        assert torch.equal(packed, wire)
+    with pytest.raises(ValueError, match="out of range"):
+        native_cpu.plan_pack(torch.tensor([[experts]]), torch.ones(1, 1), None, log2phy, logcnt, slots, workers,
+                             torch.randn(1, hidden))
+    assert not native_cpu.plan_applies(x.to(torch.bfloat16))
+
+
 # ---- norms and rotary embeddings -----------------------------------------------------------
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 5, 33])
