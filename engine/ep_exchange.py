@@ -258,7 +258,7 @@ class WorkerExchange:
         self.row_bytes, self.activation_bytes = self.format.row_bytes, self.format.activation_bytes
         self._identity = list(range(slots_per_worker))  # pool rows when no expert is staged
         self._tags: dict[int, tuple[str, int, str, int]] = {}  # layer -> dispatch tag, checksum, combine tag, checksum
-        self._probe = torch.empty(1, hidden_size, dtype=dtype, device=device)  # rows' dtype and device, for kernel checks
+        self._probe = torch.empty(1, hidden_size, dtype=dtype, device=device)  # the rows' dtype and device
 
     def _layer_tags(self, layer: int) -> tuple[str, int, str, int]:
         tags = self._tags.get(layer)

@@ -15,9 +15,9 @@ import torch
 
 from raymoe.engine.ep_exchange import RouterExchange
 from raymoe.engine.telemetry import Telemetry
+from raymoe.kernels import native_cpu
 from raymoe.kernels.comm.errors import CommError
 from raymoe.moe.capacity import CapacityConfig, OverflowPolicy, keep_mask
-from raymoe.kernels import native_cpu
 from raymoe.moe.exchange_plan import ExchangePlan, plan_exchange, plan_exchange_on_host
 from raymoe.moe.placement import PlacementTable
 
