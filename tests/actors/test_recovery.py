@@ -28,7 +28,23 @@ def bytes_sent(deployment) -> int:
 
 
 def run_with_fault(deployment, batch, fault, params=GREEDY) -> tuple[list, float]:
-    """Run ``batch`` and inject ``fault`` once the routers have started stepping on it."""
+    """Run ``batch`` and inject ``fault`` once the routers have started stepping on it.
+
+    On a fast machine a small batch can finish between the first exchange and the fault (the
+    check polls over Ray calls): when no recovery followed, the batch runs again, now meeting
+    the fault, at most twice more; the outputs returned are those of the run that met it."""
+    recovered_before = len(deployment.status()["recoveries"])
+    started = time.monotonic()
+    outputs = _run_meeting(deployment, batch, params, fault)
+    for _ in range(2):
+        if len(deployment.status()["recoveries"]) > recovered_before:
+            break
+        outputs = _run_meeting(deployment, batch, params, None)  # the fault is in place: these meet it
+    return outputs, time.monotonic() - started
+
+
+def _run_meeting(deployment, batch, params, fault) -> list:
+    """One run of ``batch``; ``fault`` (if any) injected once its first step reached the experts."""
     result: dict = {}
 
     def run() -> None:
@@ -39,18 +55,18 @@ def run_with_fault(deployment, batch, fault, params=GREEDY) -> tuple[list, float
 
     before = bytes_sent(deployment)
     runner = threading.Thread(target=run)
-    started = time.monotonic()
     runner.start()
     deadline = time.monotonic() + 60
-    while bytes_sent(deployment) == before and runner.is_alive():  # its first step reached the experts
+    while fault is not None and bytes_sent(deployment) == before and runner.is_alive():  # its first step ran
         assert time.monotonic() < deadline, "the batch never started"
-        time.sleep(0.05)
-    fault()
+        time.sleep(0.005)
+    if fault is not None:
+        fault()
     runner.join(timeout=300)
     assert not runner.is_alive(), "requests did not finish after the fault (a hang)"
     if "error" in result:
         raise result["error"]
-    return result["outputs"], time.monotonic() - started
+    return result["outputs"]
 
 
 # With replicas of every expert on the survivor the controller serves on at once ("replicas"),
