@@ -159,10 +159,9 @@ class ExpertWorker:
                         continue
                     rows, assignments, compute_s = 0, 0, 0.0
                     pool_rows = self.pool_rows  # one placement view for the whole step
-                    for layer in range(self.num_layers):
-                        if layer:
-                            headers = exchange.receive_headers(layer)
-                        result = exchange.serve_layer(layer, headers, self.w13[layer], self.w2[layer],
+                    for layer in range(self.num_layers):  # (later layers' headers are read in serve_layer)
+                        result = exchange.serve_layer(layer, None if layer else headers, self.w13[layer],
+                                                      self.w2[layer],
                                                       {epoch: rows_[layer] for epoch, rows_ in pool_rows.items()})
                         rows += result.rows
                         assignments += result.assignments

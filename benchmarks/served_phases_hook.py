@@ -12,7 +12,8 @@ Phases (each inclusive of what it calls; the benchmark derives the exclusive par
   (RouterExchange.exchange: pack, send, receive, combine), ``record`` (telemetry per layer),
   ``loop`` (the step thread's CPU between two group steps: delivery, inbox).
 - worker: ``headers`` (WorkerExchange.receive_headers), ``serve`` (WorkerExchange.serve_layer),
-  ``experts`` (run_rows inside it, or the native kernels' one call for it).
+  ``experts`` (run_rows inside it, or the native kernels' one call for it; where the whole layer
+  is one native call (kernels/csrc/cpu_exchange.c), the experts' wall time it reports).
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ def install() -> None:
 
     def counted_serve_layer(self, layer, *args, **kwargs):  # a worker counts a step at its first layer
         result = serve_layer(self, layer, *args, **kwargs)
+        if self._native:  # the layer in one native call: its experts' time comes back in the result
+            _add("experts", result.compute_s)
         if layer == 0:
             _count_step()
         return result

@@ -25,6 +25,7 @@ tell, the rank. Nothing here imports Ray.
 
 from __future__ import annotations
 
+import array
 import struct
 import time
 from concurrent.futures import Executor
@@ -37,6 +38,7 @@ from raymoe.kernels import native_cpu
 from raymoe.kernels.comm.errors import CollectiveMismatch, CommError
 from raymoe.kernels.comm.layout import tag_checksum
 from raymoe.kernels.comm.p2p import PointToPointCommunicator
+from raymoe.kernels.comm.sockets import SocketCommunicator
 from raymoe.moe.exchange_plan import ExchangePlan
 
 native_run_rows = native_cpu.run_rows  # (a module name: benchmarks/served_phases_hook.py times it)
@@ -259,6 +261,11 @@ class WorkerExchange:
         self._identity = list(range(slots_per_worker))  # pool rows when no expert is staged
         self._tags: dict[int, tuple[str, int, str, int]] = {}  # layer -> dispatch tag, checksum, combine tag, checksum
         self._probe = torch.empty(1, hidden_size, dtype=dtype, device=device)  # the rows' dtype and device
+        # float32 CPU workers on the sockets transport with the native kernels: a layer's headers,
+        # rows, experts and sums in one native call (kernels/csrc/cpu_exchange.c)
+        self._native = (isinstance(comm, SocketCommunicator) and executor is None and device.type == "cpu"
+                        and native_cpu.plan_applies(self._probe))
+        self._routers = layout.router_ranks
 
     def _layer_tags(self, layer: int) -> tuple[str, int, str, int]:
         tags = self._tags.get(layer)
@@ -269,6 +276,11 @@ class WorkerExchange:
 
     def receive_headers(self, layer: int, timeout_s: float | None = None) -> list[list[int]] | None:
         """One header per router (host ints), or None for an idle tick (no step now)."""
+        if self._native:
+            headers = self._native_layer(layer, None, None, None, None, timeout_s)
+            width = HEADER_FIELDS + self.slots_per_worker
+            return None if headers is None else [headers[r * width:(r + 1) * width].tolist()
+                                                 for r in range(len(self._routers))]
         tag, expected, _, _ = self._layer_tags(layer)
         width = HEADER_FIELDS + self.slots_per_worker
         received = torch.empty(self.layout.num_routers, width, dtype=torch.int64, device=self.device)
@@ -286,10 +298,18 @@ class WorkerExchange:
             raise CommError(f"collective {tag!r}: routers disagree on whether this is a step (kinds {sorted(kinds)})")
         return headers
 
-    def serve_layer(self, layer: int, headers: list[list[int]], w13: torch.Tensor, w2: torch.Tensor,
+    def serve_layer(self, layer: int, headers: list[list[int]] | None, w13: torch.Tensor, w2: torch.Tensor,
                     pool_rows: dict[int, tuple[list[int], torch.Tensor]]) -> WorkerLayerResult:
-        """Rows from every router in one batch. ``pool_rows[epoch]``: the pool row of each local
-        slot, as host ints and as a device tensor."""
+        """Rows from every router in one batch. ``headers``: this layer's, where they were read
+        already (a step's first layer: they tell a step from an idle tick), else None (read
+        here). ``pool_rows[epoch]``: the pool row of each local slot, as host ints and as a
+        device tensor."""
+        if self._native and native_cpu.experts_apply(self._probe, w13, w2):
+            return self._native_layer(layer, headers, w13, w2, pool_rows)
+        if headers is None:
+            headers = self.receive_headers(layer)
+            if headers is None:
+                raise CommError(f"collective {self._layer_tags(layer)[0]!r}: an idle tick inside a step")
         tag = self._layer_tags(layer)[0]
         counts = [header[0] for header in headers]
         epochs = [header[2] for header in headers]
@@ -341,6 +361,63 @@ class WorkerExchange:
         else:
             partial, assignments = torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), 0
         return self._send_sums(layer, counts, total, partial, assignments, time.perf_counter() - started)
+
+    def _native_layer(self, layer: int, headers: list[list[int]] | None, w13: torch.Tensor | None,
+                      w2: torch.Tensor | None, pool_rows: dict[int, tuple[list[int], torch.Tensor]] | None,
+                      timeout_s: float | None = None):
+        """One native call (kernels/csrc/cpu_exchange.c): with ``w13`` None, only this layer's
+        headers (returned flat, or None for an idle tick); else the whole layer, reading the
+        headers unless given. Errors as the Python path raises them."""
+        dispatch_tag, dispatch_checksum, combine_tag, combine_checksum = self._layer_tags(layer)
+        width = HEADER_FIELDS + self.slots_per_worker
+        comm, routers = self.comm, self._routers
+        if headers is not None:
+            flat = array.array("q", [value for header in headers for value in header])
+            flags = native_cpu.LAYER_HEADERS_GIVEN
+        else:
+            flat = array.array("q", bytes(8 * width * len(routers)))
+            flags = native_cpu.LAYER_FIRST if layer == 0 else 0
+        if w13 is None:
+            flags |= native_cpu.LAYER_HEADERS_ONLY
+            epochs, maps = array.array("q"), None
+        else:
+            epochs = array.array("q", pool_rows)
+            maps = (pool_rows[epochs[0]][1] if len(epochs) == 1
+                    else torch.stack([pool_rows[epoch][1] for epoch in epochs]))
+        timeout_s = comm.timeout_s if timeout_s is None else timeout_s
+        info = array.array("q", bytes(8 * native_cpu.INFO_FIELDS))
+        status = comm.run_native(routers, dispatch_tag, lambda fds, wake, received, sent: native_cpu.worker_layer(
+            fds, wake, received, sent, flat, self.slots_per_worker, flags, dispatch_checksum, combine_checksum,
+            epochs, maps, w13, w2, self.hidden_size, self.top_k, timeout_s, info))
+        if status == native_cpu.LAYER_DONE:
+            return WorkerLayerResult(rows=info[native_cpu.INFO_ROWS], assignments=info[native_cpu.INFO_ASSIGNMENTS],
+                                     compute_s=info[native_cpu.INFO_COMPUTE_NS] * 1e-9)
+        if status == native_cpu.LAYER_IDLE:
+            return None
+        if status == native_cpu.LAYER_HEADERS_READ:
+            return flat
+        peer = info[native_cpu.INFO_PEER]
+        error = comm.native_failure(status, info, routers, combine_tag if info[native_cpu.INFO_SENDING] else dispatch_tag,
+                                    timeout_s)
+        if error is None:
+            if status == native_cpu.LAYER_CHECKSUM:
+                error = CollectiveMismatch(tag=dispatch_tag, peer=routers[peer], world_size=self.layout.world_size)
+            elif status == native_cpu.LAYER_KINDS:
+                kinds = sorted({flat[r * width + 3] for r in range(len(routers))})
+                error = CommError(f"collective {dispatch_tag!r}: routers disagree on whether this is a step "
+                                  f"(kinds {kinds})")
+            elif status == native_cpu.LAYER_EPOCH:
+                error = RuntimeError(f"layer {layer}: a router uses placement epoch {info[native_cpu.INFO_A]}, "
+                                     f"which this worker does not serve (it serves {sorted(pool_rows)})")
+            elif status == -3:
+                error = ValueError("a dispatched row names a local slot or pool row outside this worker's")
+            elif status == -4:
+                error = ValueError("the routers' headers announced assignments that their rows do not hold")
+            else:
+                error = ValueError(f"raymoe_worker_layer refused its arguments (status {status}): a bug")
+            # the call stopped partway through the layer's messages: nothing later can follow them
+            comm.mark_broken(error if isinstance(error, CommError) else CommError(f"{dispatch_tag!r}: {error}"))
+        raise error
 
     def _send_sums(self, layer: int, counts: list[int], total: int, partial: torch.Tensor, assignments: int,
                    compute_s: float, message: torch.Tensor | None = None) -> WorkerLayerResult:

@@ -1,4 +1,5 @@
-"""raymoe's native CPU kernels: float32 on AVX-512F, compiled on first use (kernels/csrc/cpu_f32.c).
+"""raymoe's native CPU kernels: float32 on AVX-512F, compiled on first use (kernels/csrc/cpu_f32.c,
+and kernels/csrc/cpu_exchange.c: a worker's side of a layer's exchange over the sockets transport).
 
 Legend: R stacked experts, D hidden, I expert intermediate, N/K a dense layer's out/in sizes,
 B decoding sequences, H/Hkv query/kv heads, Dk/Dv key/value sizes.
@@ -60,7 +61,9 @@ from raymoe.kernels import packed_linear
 
 LOG = logging.getLogger("raymoe.kernels")
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_f32.c")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+SOURCES = (os.path.join(_CSRC, "cpu_f32.c"),  # the kernels
+           os.path.join(_CSRC, "cpu_exchange.c"))  # a worker's layer of the exchange over sockets
 CFLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]  # no contraction: only the source's own FMAs
 CHUNK_ROWS = 32  # as in the source: expert rows per pass, the scratch's height
 KERNEL = "native-avx512"
@@ -80,8 +83,10 @@ _SIGNATURES = {
     "raymoe_rope": [_P, _I64, _P, _P, _P, _I64, _I64, _I64],
     "raymoe_run_rows": [_P] + [_I64] * 5 + [_P, _P] + [_I64] * 2 + [_P, _P] + [_I64] * 2 + [_P],
     "raymoe_plan_pack": [_P] * 5 + [_I64] * 6 + [_P, _I64] + [_P] * 5,
+    "raymoe_worker_layer": [_P, _I64, ctypes.c_int32] + [_P] * 3 + [_I64] * 4 + [_P, _I64] + [_P] * 3 + [_I64] * 5 + [_P],
 }
-_RETURNS = {"raymoe_run_rows": ctypes.c_int64, "raymoe_plan_pack": ctypes.c_int64}  # the others: an int status
+_RETURNS = {name: ctypes.c_int64 for name in ("raymoe_run_rows", "raymoe_plan_pack", "raymoe_worker_layer")}
+# (the others return an int status)
 
 
 def set_enabled(enabled: bool) -> None:
@@ -213,6 +218,43 @@ def plan_pack(topk_ids: torch.Tensor, topk_weights: torch.Tensor, kept: torch.Te
         _check(int(rows), "raymoe_plan_pack")
     counts = counts.tolist()
     return slot, counts[:num_workers], counts[num_workers:], row_token[:rows], packed[:rows]
+
+
+# ---- a worker's side of one layer of the exchange (kernels/csrc/cpu_exchange.c) ---------------
+# raymoe_worker_layer's flags, statuses and info fields (as in the source)
+LAYER_HEADERS_GIVEN, LAYER_HEADERS_ONLY, LAYER_FIRST = 1, 2, 4
+LAYER_DONE, LAYER_IDLE, LAYER_HEADERS_READ = 0, 1, 2
+LAYER_TIMEOUT, LAYER_LOST, LAYER_FRAME, LAYER_CHECKSUM, LAYER_KINDS, LAYER_EPOCH, LAYER_ABORTED = range(-10, -17, -1)
+INFO_PEER, INFO_A, INFO_B, INFO_C, INFO_D, INFO_ROWS, INFO_ASSIGNMENTS, INFO_COMPUTE_NS, INFO_SENDING = range(9)
+INFO_FIELDS = 9
+
+
+def worker_layer(fds: array.array, wake_fd: int, recv_numbers: array.array, send_numbers: array.array,
+                 headers: array.array, slots: int, flags: int, dispatch_checksum: int, combine_checksum: int,
+                 epochs: array.array, maps: torch.Tensor | None, w13: torch.Tensor | None, w2: torch.Tensor | None,
+                 hidden: int, top_k: int, timeout_s: float, info: array.array) -> int:
+    """One MoE layer of a worker over the sockets transport in one call (kernels/csrc/cpu_exchange.c:
+    read every router's header and rows, run the experts as :func:`run_rows`, send each router
+    its sums and trailer). ``fds`` (int32) the routers' sockets in rank order; ``recv_numbers`` /
+    ``send_numbers`` (int64) the next message numbers, advanced in place; ``headers`` (int64,
+    routers x (4 + slots)) read here unless ``flags`` says given; ``epochs`` (int64) and ``maps``
+    (``[epochs, slots]`` int64) the pool row of each local slot per epoch served; ``w13``, ``w2``
+    the layer's experts (None with ``LAYER_HEADERS_ONLY``). Returns the status (``LAYER_*``
+    above, or :func:`run_rows`'s -1..-4) with details in ``info`` (int64 x ``INFO_FIELDS``).
+    Releases the GIL while it runs (:func:`experts_apply` checked)."""
+    if w13 is None:
+        packed13 = packed2 = maps = None
+        pool, intermediate = 0, 0
+    else:
+        packed13, packed2 = _packed_experts(w13, w2)
+        maps = maps.contiguous()
+        pool, intermediate = w13.shape[0], w2.shape[2]
+    pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
+    return _library.raymoe_worker_layer(
+        fds.buffer_info()[0], len(fds), wake_fd, recv_numbers.buffer_info()[0], send_numbers.buffer_info()[0],
+        headers.buffer_info()[0], slots, flags, dispatch_checksum, combine_checksum, epochs.buffer_info()[0],
+        len(epochs), pointer(maps), pointer(packed13), pointer(packed2), pool, hidden, intermediate, top_k,
+        max(1, int(timeout_s * 1e9)), info.buffer_info()[0])
 
 
 def prepare_experts(w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -372,8 +414,10 @@ def _build() -> str:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise OSError(f"no C compiler ({compiler!r} not found; set CC)")
-    with open(SOURCE, "rb") as handle:
-        source = handle.read()
+    source = b""
+    for name in SOURCES:
+        with open(name, "rb") as handle:
+            source += handle.read()
     version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
     digest = hashlib.sha256(source + version + " ".join(CFLAGS).encode()).hexdigest()[:16]
     directory = os.environ.get("RAYMOE_NATIVE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "raymoe", "native")
@@ -384,9 +428,10 @@ def _build() -> str:
     handle, partial = tempfile.mkstemp(prefix=".cpu_f32-", suffix=".so", dir=directory)
     os.close(handle)
     try:  # built under a name of its own, then renamed: processes building at once never see half a file
-        result = subprocess.run([compiler, *CFLAGS, "-o", partial, SOURCE], capture_output=True, timeout=120)
+        result = subprocess.run([compiler, *CFLAGS, "-o", partial, *SOURCES], capture_output=True, timeout=120)
         if result.returncode != 0:
-            raise OSError(f"{compiler} failed on {SOURCE}: {result.stderr.decode(errors='replace').strip()[:500]}")
+            raise OSError(f"{compiler} failed on {', '.join(SOURCES)}: "
+                          f"{result.stderr.decode(errors='replace').strip()[:500]}")
         os.replace(partial, path)
     finally:
         if os.path.exists(partial):

@@ -111,6 +111,12 @@ class PointToPointCommunicator:
             self._failure = failure
         return failure
 
+    def mark_broken(self, failure: CommError) -> CommError:
+        """Marks this communicator unusable because of a failure found above the transport (a
+        message whose bytes arrived but whose contents the exchange refused, leaving the
+        message stream at an unknown point); returns ``failure``."""
+        return self._broken(failure)
+
     def close(self) -> None:
         with self._issue_lock:
             if not self._closed:

@@ -28,7 +28,9 @@ it over TCP); where that connection cannot be made (another network namespace), 
 
 from __future__ import annotations
 
+import array
 import datetime
+import errno
 import hashlib
 import os
 import select
@@ -40,6 +42,7 @@ from collections import deque
 import torch
 import torch.distributed as distributed
 
+from raymoe.kernels import native_cpu
 from raymoe.kernels.comm.base import Deadline, validate_group, validate_timeout
 from raymoe.kernels.comm.errors import RECOVERY_HINT, CollectiveTimeout, CommClosedError, CommError, PeerLostError
 from raymoe.kernels.comm.p2p import Message, PointToPointCommunicator
@@ -164,6 +167,64 @@ class SocketCommunicator(PointToPointCommunicator):
                 local.close()
         return cls(rank=rank, world_size=world_size, timeout_s=timeout_s, group_name=group_name,
                    store=store, peers=peers)
+
+    # ---- native routines on these sockets --------------------------------------------------
+    def run_native(self, peers: list[int], tag: str, routine):
+        """Runs ``routine(fds, wake_fd, recv_numbers, send_numbers)``: native code that moves
+        messages to and from ``peers`` on their sockets itself, framed as here (e.g. a worker's
+        layer, kernels/csrc/cpu_exchange.c). ``fds`` (int32) are the peers' sockets in order,
+        ``wake_fd`` turns readable once this communicator is aborted, and the per-peer message
+        numbers (int64) are taken from this communicator and given back, as the routine
+        advanced them. It runs holding the issue lock, as a transfer's posting does; `abort()`
+        wakes it first. Returns what the routine returns."""
+        self._check_usable(tag)
+        fds = array.array("i", [self._peers[peer].fileno() for peer in peers])
+        received = array.array("q", [self._received[peer] for peer in peers])
+        sent = array.array("q", [self._sent[peer] for peer in peers])
+        with self._issue_lock:
+            self._check_usable(tag)
+            try:
+                return routine(fds, self._wake_read, received, sent)
+            finally:
+                for index, peer in enumerate(peers):
+                    self._received[peer], self._sent[peer] = received[index], sent[index]
+
+    def native_failure(self, status: int, info: array.array, peers: list[int], tag: str,
+                       timeout_s: float) -> CommError | None:
+        """The error a native routine's transport status stands for (kernels/native_cpu.py's
+        ``LAYER_*``; ``info[INFO_PEER]`` indexes ``peers``), this communicator marked broken by it;
+        None for a status that is not the transport's."""
+        index = info[native_cpu.INFO_PEER]
+        peer = peers[index] if 0 <= index < len(peers) else None
+        if status == native_cpu.LAYER_ABORTED:
+            return self._broken(CommClosedError(tag))
+        if status == native_cpu.LAYER_TIMEOUT:
+            return self._broken(CollectiveTimeout(tag=tag, timeout_s=timeout_s, peer=peer, world_size=self.world_size))
+        if status == native_cpu.LAYER_LOST:
+            code = info[native_cpu.INFO_A]
+            detail = (f"the connection failed: {os.strerror(code)} ({errno.errorcode.get(code, code)})" if code
+                      else "the connection was closed (the peer process most likely died)")
+            return self._lost(peer if peer is not None else -1, tag, detail)
+        if status == native_cpu.LAYER_FRAME:
+            return self._broken(CommError(
+                f"collective {tag!r}: rank {peer} (of {self.world_size}) sent message {info[native_cpu.INFO_A]} of "
+                f"{info[native_cpu.INFO_B]} bytes where this rank expects message {info[native_cpu.INFO_C]} of "
+                f"{info[native_cpu.INFO_D]} bytes; the ranks called collectives in different orders. {RECOVERY_HINT}"))
+        return None
+
+    def abort(self) -> None:
+        self._wake()  # a native routine holding the issue lock returns now (run_native)
+        super().abort()
+
+    def close(self) -> None:
+        self._wake()
+        super().close()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_write, b"x")
+        except OSError:
+            pass
 
     # ---- the transport ------------------------------------------------------------------
     def _check_device(self, tensor: torch.Tensor, tag: str) -> None:
@@ -307,10 +368,7 @@ class SocketCommunicator(PointToPointCommunicator):
         return self._broken(PeerLostError(tag=tag, peer=peer, world_size=self.world_size, detail=detail))
 
     def _teardown(self, abort: bool) -> None:
-        try:
-            os.write(self._wake_write, b"x")  # a thread inside _wait wakes and sees the state
-        except OSError:
-            pass
+        self._wake()  # a thread inside _wait wakes and sees the state
         for connection in self._peers.values():
             if abort:
                 try:

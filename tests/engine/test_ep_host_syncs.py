@@ -32,7 +32,8 @@ CONVERSIONS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool
 
 
 class ConversionCounter:
-    """Counts tensor-to-host conversions per scope entry, on the thread that entered the scope."""
+    """Counts tensor-to-host conversions per scope entry, on the thread that entered the scope;
+    a scope entered inside another counts its own (a worker's layer reads its headers inside)."""
 
     def __init__(self):
         self.local = threading.local()
@@ -46,24 +47,28 @@ class ConversionCounter:
             self.originals[name] = original
 
             def counted(tensor, *args, _original=original, **kwargs):
-                entry = getattr(self.local, "entry", None)
-                if entry is not None:
-                    self.counts[entry[0]][entry[1]] += 1
+                entries = getattr(self.local, "entries", None)
+                if entries:
+                    scope, index = entries[-1]
+                    self.counts[scope][index] += 1
                 return _original(tensor, *args, **kwargs)
 
             monkeypatch.setattr(torch.Tensor, name, counted)
 
     def scoped(self, scope: str, function):
         def wrapper(*args, **kwargs):
-            if getattr(self.local, "entry", None) is not None:  # counted by the enclosing scope
+            entries = getattr(self.local, "entries", None)
+            if entries is None:
+                entries = self.local.entries = []
+            if entries and entries[-1][0] == scope:  # a scope calling itself counts once
                 return function(*args, **kwargs)
             with self.lock:
                 self.counts[scope].append(0)
-                self.local.entry = (scope, len(self.counts[scope]) - 1)
+                entries.append((scope, len(self.counts[scope]) - 1))
             try:
                 return function(*args, **kwargs)
             finally:
-                self.local.entry = None
+                entries.pop()
         return wrapper
 
 
@@ -124,7 +129,8 @@ def test_one_conversion_per_layer_per_side_and_outputs_equal_the_engine(in_proce
     assert len(layers) >= 8 * 2  # >= 8 steps with tokens, 2 MoE layers each
     assert max(layers) <= 1, f"router conversions per MoE layer: {sorted(set(layers))}"
     assert max(counter.counts["router step end"]) <= 2
-    # A worker's layer: its headers (the one conversion), then the rows (none at all).
+    # A worker's layer: its headers (the one conversion; read inside serve_layer after the
+    # step's first layer), then the rows (none at all).
     served = counter.counts["worker rows"]
     assert len(served) >= 2 * 8 * 2  # both workers served every layer of every step
     assert max(served) == 0, f"worker conversions while serving rows: {sorted(set(served))}"

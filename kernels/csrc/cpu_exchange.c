@@ -1,0 +1,271 @@
+/* A worker's side of one MoE layer of the expert-parallel exchange over the sockets transport
+ * (kernels/comm/sockets.py, engine/ep_exchange.py), in one call from Python:
+ *
+ *   1. each router's header message: rows, tag checksum, placement epoch, kind, then the
+ *      assignments of each of the worker's S local slots (int64 each);
+ *   2. each router's rows (when it has any): D float32 activations, k int32 local slots, k float32
+ *      gate weights each;
+ *   3. every router's rows through the experts at once (raymoe_run_rows, cpu_f32.c);
+ *   4. to each router its rows' weighted sums, then the trailer (float64 expert seconds, int64
+ *      combine tag checksum).
+ *
+ * Every message is framed as sockets.py frames it: int64 message number (the k-th message
+ * between two ranks carries k), int64 byte count, then the bytes; a number or size that
+ * differs from what this rank expects means the ranks called collectives in different orders.
+ * Why in C: at one decoding sequence a layer's worker side was ~180 us of Python around ~100 us
+ * of experts (benchmarks/bench_served_phases.py, docs/BENCHMARKS.md).
+ *
+ * The sockets are non-blocking; every wait is a poll() on the socket and on `wake_fd` (readable
+ * once the communicator is aborted) under one deadline for the layer. Errors return a negative
+ * status with details in `info` (see raymoe_worker_layer); the caller breaks the communicator.
+ */
+#include <errno.h>
+#include <poll.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+
+int64_t raymoe_run_rows(const uint8_t *payload, int64_t N, int64_t row_bytes, int64_t D, int64_t I, int64_t k,
+                        const int64_t *maps, const int64_t *seg_rows, int64_t segments, int64_t S,
+                        const float *w13, const float *w2, int64_t P, int64_t expected, float *out);
+
+enum { HEADER_FIELDS = 4, KIND_STEP = 1, KIND_IDLE = 2 };
+enum { FLAG_HEADERS_GIVEN = 1, FLAG_HEADERS_ONLY = 2, FLAG_FIRST_LAYER = 4 };
+enum {
+    DONE = 0, IDLE = 1, HEADERS_READ = 2,
+    E_TIMEOUT = -10, E_LOST = -11, E_FRAME = -12, E_CHECKSUM = -13, E_KINDS = -14, E_EPOCH = -15,
+    E_ABORTED = -16, E_MEMORY = -17, E_ARGUMENTS = -18,
+};
+enum { INFO_PEER, INFO_A, INFO_B, INFO_C, INFO_D, INFO_ROWS, INFO_ASSIGNMENTS, INFO_COMPUTE_NS, INFO_SENDING,
+       INFO_FIELDS };
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* Until `fd` is ready for `events`: 0, or E_TIMEOUT past the deadline, E_ABORTED once wake_fd
+ * is readable, E_LOST when poll itself fails. A hang-up or error counts as ready: the read or
+ * write that follows reports it. */
+static int wait_ready(int fd, short events, int wake_fd, int64_t deadline_ns) {
+    for (;;) {
+        int64_t left = deadline_ns - now_ns();
+        if (left <= 0) return E_TIMEOUT;
+        struct pollfd fds[2] = {{fd, events, 0}, {wake_fd, POLLIN, 0}};
+        int64_t ms = (left + 999999) / 1000000;
+        int ready = poll(fds, 2, ms > 1000 ? 1000 : (int)ms);
+        if (ready < 0) {
+            if (errno == EINTR) continue;
+            return E_LOST;
+        }
+        if (fds[1].revents) return E_ABORTED;
+        if (fds[0].revents) return 0;
+    }
+}
+
+/* Drops the leading iovecs that `done` bytes filled, and trims the first one left. */
+static void advance(struct iovec **iov, int *count, size_t done) {
+    while (*count > 0 && done >= (*iov)->iov_len) {
+        done -= (*iov)->iov_len;
+        (*iov)++;
+        (*count)--;
+    }
+    if (*count > 0 && done) {
+        (*iov)->iov_base = (char *)(*iov)->iov_base + done;
+        (*iov)->iov_len -= done;
+    }
+    while (*count > 0 && (*iov)->iov_len == 0) { (*iov)++; (*count)--; }
+}
+
+/* Reads one framed message of exactly `size` bytes into `body`, expecting message `number`.
+ * The frame and the body are read together where they are there; the frame is checked as soon
+ * as its 16 bytes are in, before the body counts (a frame that differs: E_FRAME, the frame's
+ * number and size in info[A], info[B]). */
+static int read_message(int fd, int wake_fd, int64_t deadline_ns, int64_t number, uint8_t *body, int64_t size,
+                        int64_t *info) {
+    int64_t frame[2];
+    struct iovec parts[2] = {{frame, sizeof frame}, {body, (size_t)size}};
+    struct iovec *iov = parts;
+    int count = size ? 2 : 1, checked = 0;
+    size_t got_total = 0;
+    while (count > 0) {
+        ssize_t got = readv(fd, iov, count);
+        if (got == 0) return E_LOST;
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                int status = wait_ready(fd, POLLIN, wake_fd, deadline_ns);
+                if (status) return status;
+                continue;
+            }
+            info[INFO_A] = errno;
+            return E_LOST;
+        }
+        got_total += (size_t)got;
+        advance(&iov, &count, (size_t)got);
+        if (!checked && got_total >= sizeof frame) {
+            checked = 1;
+            if (frame[0] != number || frame[1] != size) {
+                info[INFO_A] = frame[0];
+                info[INFO_B] = frame[1];
+                return E_FRAME;
+            }
+        }
+    }
+    return 0;
+}
+
+/* Writes every byte of iov[0..count) to `fd`. */
+static int write_all(int fd, int wake_fd, int64_t deadline_ns, struct iovec *iov, int count, int64_t *info) {
+    while (count > 0 && iov->iov_len == 0) { iov++; count--; }
+    while (count > 0) {
+        struct msghdr message;
+        memset(&message, 0, sizeof message);
+        message.msg_iov = iov;
+        message.msg_iovlen = (size_t)count;
+        ssize_t sent = sendmsg(fd, &message, MSG_NOSIGNAL);
+        if (sent < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                int status = wait_ready(fd, POLLOUT, wake_fd, deadline_ns);
+                if (status) return status;
+                continue;
+            }
+            info[INFO_A] = errno;
+            return E_LOST;
+        }
+        advance(&iov, &count, (size_t)sent);
+    }
+    return 0;
+}
+
+/* One MoE layer of a worker, R routers at ranks 0..R-1 (fds[r] their sockets).
+ *
+ * recv_numbers[r], send_numbers[r]: the next message numbers from and to router r, advanced
+ * here. headers [R][4 + S]: read here, or given (FLAG_HEADERS_GIVEN: read by an earlier call
+ * with FLAG_HEADERS_ONLY, which returns HEADERS_READ once they check out). FLAG_FIRST_LAYER: an
+ * idle tick from every router is allowed (returns IDLE). epochs [E] and maps [E][S]: the pool row
+ * serving each local slot in each placement epoch this worker serves. w13/w2: the layer's
+ * packed experts (P pool rows, hidden D, intermediate I, k positions a row).
+ *
+ * Returns DONE with info[ROWS], info[ASSIGNMENTS], info[COMPUTE_NS]; IDLE; HEADERS_READ; or
+ *   E_TIMEOUT, E_LOST (info[A]: errno or 0), E_FRAME (info[A], info[B]: the frame got;
+ *   info[C], info[D]: the number and size expected), E_CHECKSUM (info[A]: the checksum got),
+ *   E_KINDS, E_EPOCH (info[A]: the epoch), E_ABORTED, E_MEMORY, E_ARGUMENTS, each with the
+ *   router in info[PEER] where one is to blame (else -1) and info[SENDING] 1 when it happened
+ *   sending the sums; or raymoe_run_rows's status (-1..-4). */
+int64_t raymoe_worker_layer(
+    const int32_t *fds, int64_t R, int32_t wake_fd, int64_t *recv_numbers, int64_t *send_numbers,
+    int64_t *headers, int64_t S, int64_t flags, int64_t dispatch_checksum, int64_t combine_checksum,
+    const int64_t *epochs, int64_t E, const int64_t *maps,
+    const float *w13, const float *w2, int64_t P, int64_t D, int64_t I, int64_t k, int64_t timeout_ns,
+    int64_t *info) {
+    for (int i = 0; i < INFO_FIELDS; i++) info[i] = 0;
+    info[INFO_PEER] = -1;
+    if (R <= 0 || S <= 0 || D <= 0 || k <= 0 || E < 0) return E_ARGUMENTS;
+    const int64_t width = HEADER_FIELDS + S, deadline = now_ns() + timeout_ns;
+    int status;
+    if (!(flags & FLAG_HEADERS_GIVEN)) {
+        for (int64_t r = 0; r < R; r++) {
+            info[INFO_PEER] = r;
+            info[INFO_C] = recv_numbers[r];
+            info[INFO_D] = 8 * width;
+            status = read_message(fds[r], wake_fd, deadline, recv_numbers[r], (uint8_t *)(headers + r * width),
+                                  8 * width, info);
+            if (status) return status;
+            recv_numbers[r]++;
+        }
+        int idle = 0, step = 0;
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t *header = headers + r * width;
+            if (header[1] != dispatch_checksum) {
+                info[INFO_PEER] = r;
+                info[INFO_A] = header[1];
+                return E_CHECKSUM;
+            }
+            idle += header[3] == KIND_IDLE;
+            step += header[3] == KIND_STEP;
+        }
+        info[INFO_PEER] = -1;
+        if (idle == R && (flags & FLAG_FIRST_LAYER)) return IDLE;
+        if (step != R) return E_KINDS;
+        if (flags & FLAG_HEADERS_ONLY) return HEADERS_READ;
+    }
+    if (!w13 || !w2 || !maps || P <= 0 || I <= 0) return E_ARGUMENTS;
+    /* Sizes, and each router's pool rows by its epoch. */
+    const int64_t row_bytes = 4 * D + 8 * k;
+    int64_t total = 0, segments = 0, expected = 0;
+    int64_t *seg_rows = malloc(sizeof(int64_t) * (size_t)R);
+    int64_t *seg_maps = malloc(sizeof(int64_t) * (size_t)(R * S));
+    if (!seg_rows || !seg_maps) { free(seg_rows); free(seg_maps); return E_MEMORY; }
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t *header = headers + r * width;
+        if (header[0] < 0) { free(seg_rows); free(seg_maps); info[INFO_PEER] = r; return E_ARGUMENTS; }
+        if (!header[0]) continue;
+        int64_t e = 0;
+        while (e < E && epochs[e] != header[2]) e++;
+        if (e == E) {
+            free(seg_rows); free(seg_maps);
+            info[INFO_PEER] = r;
+            info[INFO_A] = header[2];
+            return E_EPOCH;
+        }
+        memcpy(seg_maps + segments * S, maps + e * S, sizeof(int64_t) * (size_t)S);
+        seg_rows[segments++] = header[0];
+        total += header[0];
+        for (int64_t s = 0; s < S; s++) expected += header[HEADER_FIELDS + s];
+    }
+    /* Rows in, router by router; sums out, one message a router (its rows' sums, then the trailer). */
+    uint8_t *payload = malloc((size_t)(total ? total : 1) * (size_t)row_bytes);
+    float *sums = malloc(sizeof(float) * (size_t)((total ? total : 1) * D));
+    if (!payload || !sums) { free(seg_rows); free(seg_maps); free(payload); free(sums); return E_MEMORY; }
+    int64_t offset = 0;
+    status = 0;
+    for (int64_t r = 0; r < R && !status; r++) {
+        int64_t rows = headers[r * width];
+        if (!rows) continue;
+        info[INFO_PEER] = r;
+        info[INFO_C] = recv_numbers[r];
+        info[INFO_D] = rows * row_bytes;
+        status = read_message(fds[r], wake_fd, deadline, recv_numbers[r], payload + offset * row_bytes,
+                              rows * row_bytes, info);
+        if (!status) recv_numbers[r]++;
+        offset += rows;
+    }
+    int64_t assignments = 0, compute_ns = 0;
+    if (!status && total) {
+        info[INFO_PEER] = -1;
+        int64_t started = now_ns();
+        assignments = raymoe_run_rows(payload, total, row_bytes, D, I, k, seg_maps, seg_rows, segments, S,
+                                      w13, w2, P, expected, sums);
+        compute_ns = now_ns() - started;
+        if (assignments < 0) status = (int)assignments;
+    }
+    offset = 0;
+    info[INFO_SENDING] = 1;
+    for (int64_t r = 0; r < R && !status; r++) {
+        int64_t rows = headers[r * width];
+        struct {
+            double seconds;
+            int64_t checksum;
+        } trailer = {(double)compute_ns * 1e-9, combine_checksum};
+        int64_t frame[2] = {send_numbers[r], rows * 4 * D + (int64_t)sizeof trailer};
+        struct iovec parts[3] = {{frame, sizeof frame}, {sums + offset * D, (size_t)(rows * 4 * D)},
+                                 {&trailer, sizeof trailer}};
+        info[INFO_PEER] = r;
+        status = write_all(fds[r], wake_fd, deadline, parts, 3, info);
+        if (!status) send_numbers[r]++;
+        offset += rows;
+    }
+    free(seg_rows); free(seg_maps); free(payload); free(sums);
+    if (status) return status;
+    info[INFO_PEER] = -1;
+    info[INFO_ROWS] = total;
+    info[INFO_ASSIGNMENTS] = assignments;
+    info[INFO_COMPUTE_NS] = compute_ns;
+    return DONE;
+}

@@ -1,0 +1,352 @@
+"""A worker's layer of the exchange in one native call (kernels/csrc/cpu_exchange.c) against the
+Python path it replaces, over real sockets groups (routers and workers as threads of this process).
+
+The native call must be the Python path's twin: the same sums bit for bit (one and two routers,
+two workers, a staged placement epoch, an idle tick, steps with no rows), the same message
+numbering (a group may switch between the two paths between layers and keep going), and the same
+errors for what goes wrong: another layer's header, a message of the wrong size, an epoch the
+worker does not serve, headers that disagree with their rows, a silent router (a deadline naming
+it), a router that dies, and an abort from another thread (which must wake the wait at once).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from raymoe.engine.ep_exchange import (
+    KIND_IDLE,
+    KIND_STEP,
+    GroupLayout,
+    RouterExchange,
+    WorkerExchange,
+    _header,
+    layer_tag,
+)
+from raymoe.kernels import native_cpu
+from raymoe.kernels.comm import (
+    CollectiveMismatch,
+    CollectiveTimeout,
+    CommClosedError,
+    CommError,
+    PeerLostError,
+    SocketCommunicator,
+)
+from raymoe.kernels.comm.factory import free_port
+from raymoe.moe.exchange_plan import plan_exchange_on_host
+from raymoe.moe.initial_placement import initial_placement
+
+pytestmark = pytest.mark.skipif(native_cpu.unavailable_reason() is not None,
+                                reason=f"native kernels unavailable: {native_cpu.unavailable_reason()}")
+
+HIDDEN, INTER, EXPERTS, TOP_K, LAYERS = 64, 32, 8, 2, 3
+CPU = torch.device("cpu")
+
+
+def sockets_group(world_size: int, timeout_s: float = 10.0) -> list[SocketCommunicator]:
+    port = free_port("127.0.0.1")
+    comms: list = [None] * world_size
+
+    def join(rank: int) -> None:
+        comms[rank] = SocketCommunicator.create(rank, world_size, "127.0.0.1", port, timeout_s,
+                                                group_name=f"native-worker-{port}")
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert all(comms), "the sockets group did not form"
+    return comms
+
+
+def run_threads(targets: list) -> list:
+    """Runs each callable in its own thread; returns their results (or raises the first error)."""
+    results: list = [None] * len(targets)
+    errors: list = []
+
+    def body(index: int, target) -> None:
+        try:
+            results[index] = target()
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=body, args=(i, t), daemon=True) for i, t in enumerate(targets)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a rank hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def worker_weights(workers: int, slots: int, spare: int = 2):
+    generator = torch.Generator().manual_seed(7)
+    return [[(torch.randn(slots + spare, 2 * INTER, HIDDEN, generator=generator) / 8,
+              torch.randn(slots + spare, HIDDEN, INTER, generator=generator) / 8) for _ in range(LAYERS)]
+            for _ in range(workers)]
+
+
+def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list[dict]) -> list:
+    """Every router's outputs of every step and layer (plus the workers' row counts), with the
+    workers on the native path or the Python one. ``steps``: per step the epoch the routers use
+    and each router's token count (0: nothing this step), or ``{"idle": True}`` for an idle tick."""
+    placement = initial_placement(num_layers=LAYERS, num_experts=EXPERTS, num_workers=num_workers,
+                                  strategy="round_robin", redundant_slots_per_worker=1)
+    slots = placement.slots_per_worker
+    layout = GroupLayout(num_routers, tuple(range(num_workers)))
+    comms = sockets_group(layout.world_size)
+    weights = worker_weights(num_workers, slots)
+    # epoch 0: slot s in pool row s; epoch 1: the slots staged into pool rows in another order
+    staged = [slots + 1] + list(range(1, slots - 1)) + [slots, 0]
+    pool = {0: list(range(slots)), 1: staged[:slots]}
+    pool_rows = {epoch: (rows, torch.tensor(rows)) for epoch, rows in pool.items()}
+    calls = []
+    original = native_cpu.worker_layer
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    def router(index: int):
+        exchange = RouterExchange(comms[index], layout, index, num_workers, slots, TOP_K, HIDDEN, torch.float32, CPU)
+        generator = torch.Generator().manual_seed(100 + index)
+        outputs = []
+        for step in steps:
+            if step.get("idle"):
+                exchange.idle_tick()
+                continue
+            tokens = step["tokens"][index]
+            for layer in range(LAYERS):
+                hidden = torch.randn(max(tokens, 1), HIDDEN, generator=generator)[:tokens]
+                ids = torch.stack([torch.randperm(EXPERTS, generator=generator)[:TOP_K] for _ in range(tokens)]) \
+                    if tokens else torch.zeros(0, TOP_K, dtype=torch.int64)
+                gates = torch.rand(tokens, TOP_K, generator=generator)
+                plan = plan_exchange_on_host(ids, gates, None, placement.log2phy[layer], placement.logcnt[layer],
+                                             slots, num_workers) if tokens else None
+                out, _ = exchange.exchange(layer, plan, hidden, step["epoch"])
+                outputs.append(out)
+            exchange.read_trailers()
+        return outputs
+
+    def worker(position: int):
+        exchange = WorkerExchange(comms[num_routers + position], layout, slots, HIDDEN, TOP_K, torch.float32, CPU)
+        assert exchange._native  # sockets, float32 on a CPU with the native kernels
+        exchange._native = native
+        served = []
+        for step in steps:
+            headers = exchange.receive_headers(0)
+            if headers is None:
+                assert step.get("idle")
+                continue
+            for layer in range(LAYERS):
+                w13, w2 = weights[position][layer]
+                result = exchange.serve_layer(layer, None if layer else headers, w13, w2,
+                                              {epoch: rows for epoch, rows in pool_rows.items()})
+                served.append((result.rows, result.assignments))
+        return served
+
+    native_cpu.worker_layer = counted
+    try:
+        results = run_threads([lambda i=i: router(i) for i in range(num_routers)]
+                              + [lambda p=p: worker(p) for p in range(num_workers)])
+    finally:
+        native_cpu.worker_layer = original
+        for comm in comms:
+            comm.close()
+    layers_served = sum(1 for step in steps if not step.get("idle")) * LAYERS * num_workers
+    assert len(calls) == (layers_served + sum(1 for step in steps) * num_workers if native else 0)
+    return results
+
+
+STEPS = [
+    {"idle": True},
+    {"epoch": 0, "tokens": [3, 1]},
+    {"epoch": 0, "tokens": [0, 5]},  # one router with nothing this step
+    {"epoch": 1, "tokens": [7, 2]},  # the staged epoch
+    {"idle": True},
+    {"epoch": 1, "tokens": [1, 0]},
+]
+
+
+@pytest.mark.parametrize("routers, workers", [(1, 1), (2, 2)])
+def test_native_layer_equals_the_python_path_bit_for_bit(routers, workers):
+    steps = [{**s, "tokens": s["tokens"][:routers]} if "tokens" in s else s for s in STEPS]
+    if routers == 1:
+        steps = [s for s in steps if s.get("idle") or s["tokens"][0]]
+    native = run_deployment(routers, workers, True, steps)
+    python = run_deployment(routers, workers, False, steps)
+    assert len(native) == len(python) == routers + workers
+    for got, expected in zip(native[:routers], python[:routers]):
+        assert len(got) == len(expected) > 0
+        for a, b in zip(got, expected):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.shape == b.shape and torch.equal(a, b)
+    assert native[routers:] == python[routers:]  # rows and assignments per layer
+    assert any(rows for served in native[routers:] for rows, _ in served)
+
+
+# ---- failures: one router (rank 0) sends by hand, the worker (rank 1) serves natively ------------
+SLOTS = EXPERTS
+
+
+def native_worker(comm: SocketCommunicator) -> WorkerExchange:
+    exchange = WorkerExchange(comm, GroupLayout(1, (0,)), SLOTS, HIDDEN, TOP_K, torch.float32, CPU)
+    assert exchange._native
+    return exchange
+
+
+def serve_one_layer(exchange: WorkerExchange, layer: int = 0, epochs=(0,)):
+    w13, w2 = worker_weights(1, SLOTS, spare=0)[0][0]
+    pool_rows = {epoch: (list(range(SLOTS)), torch.arange(SLOTS)) for epoch in epochs}
+    return exchange.serve_layer(layer, None, w13, w2, pool_rows)
+
+
+def one_row(slots=(0, 3), weights=(0.5, 0.25)) -> torch.Tensor:
+    activations = torch.randn(1, HIDDEN).view(torch.uint8)
+    return torch.cat([activations, torch.tensor([list(slots)], dtype=torch.int32).view(torch.uint8),
+                      torch.tensor([list(weights)], dtype=torch.float32).view(torch.uint8)], dim=1).reshape(-1)
+
+
+def slot_counts(slots=(0, 3)) -> list[int]:
+    return [int(s in slots) for s in range(SLOTS)]
+
+
+def failing_layer(router_sends, timeout_s: float = 10.0, layer: int = 0):
+    """The worker's error when rank 0 runs ``router_sends(comm)`` instead of a router; the time it took."""
+    comms = sockets_group(2, timeout_s)
+    exchange = native_worker(comms[1])
+    outcome = {}
+
+    def worker():
+        started = time.monotonic()
+        try:
+            serve_one_layer(exchange, layer)
+        except Exception as error:
+            outcome["error"], outcome["elapsed"] = error, time.monotonic() - started
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    router_sends(comms[0])
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert not comms[1].usable  # a failure breaks the worker's communicator
+    for comm in comms:
+        comm.abort()
+    return outcome["error"], outcome["elapsed"]
+
+
+def test_a_header_of_another_layer_is_a_mismatch_naming_the_router():
+    error, _ = failing_layer(lambda comm: comm.transfer(
+        [(1, _header(1, layer_tag(1, "dispatch"), 0, KIND_STEP, slot_counts(), CPU)), (1, one_row())], [],
+        tag="wrong layer"))
+    assert isinstance(error, CollectiveMismatch) and "'layer 0 dispatch'" in str(error) and "rank 0" in str(error)
+
+
+def test_a_message_of_the_wrong_size_says_the_ranks_called_collectives_in_different_orders():
+    error, _ = failing_layer(lambda comm: comm.transfer([(1, torch.zeros(3, dtype=torch.int64))], [], tag="short"))
+    assert isinstance(error, CommError) and "different orders" in str(error) and "rank 0" in str(error)
+
+
+def test_an_epoch_the_worker_does_not_serve_is_named():
+    error, _ = failing_layer(lambda comm: comm.transfer(
+        [(1, _header(1, layer_tag(0, "dispatch"), 7, KIND_STEP, slot_counts(), CPU)), (1, one_row())], [],
+        tag="epoch 7"))
+    assert isinstance(error, RuntimeError) and "epoch 7" in str(error) and "serves [0]" in str(error)
+
+
+def test_headers_that_disagree_with_their_rows_are_refused():
+    error, _ = failing_layer(lambda comm: comm.transfer(
+        [(1, _header(1, layer_tag(0, "dispatch"), 0, KIND_STEP, slot_counts((0, 1, 2)), CPU)), (1, one_row())], [],
+        tag="three announced, two sent"))
+    assert isinstance(error, ValueError) and "assignments" in str(error)
+
+
+def test_an_idle_tick_inside_a_step_is_refused():
+    error, _ = failing_layer(lambda comm: comm.transfer(
+        [(1, _header(0, layer_tag(1, "dispatch"), 0, KIND_IDLE, [0] * SLOTS, CPU))], [], tag="idle at layer 1"),
+        layer=1)
+    assert isinstance(error, CommError) and "disagree" in str(error)
+
+
+def test_a_silent_router_times_out_naming_it():
+    error, elapsed = failing_layer(lambda comm: None, timeout_s=0.5)
+    assert isinstance(error, CollectiveTimeout) and "rank 0" in str(error) and "'layer 0 dispatch'" in str(error)
+    assert 0.45 <= elapsed < 5.0
+
+
+def test_a_router_that_dies_is_a_lost_peer():
+    def die(comm):
+        time.sleep(0.2)
+        comm.abort()  # its sockets close, as a killed process's do
+
+    error, elapsed = failing_layer(die)
+    assert isinstance(error, PeerLostError) and "rank 0" in str(error)
+    assert elapsed < 5.0
+
+
+def test_abort_from_another_thread_wakes_the_native_wait():
+    comms = sockets_group(2, timeout_s=30.0)
+    exchange = native_worker(comms[1])
+    outcome = {}
+
+    def worker():
+        started = time.monotonic()
+        try:
+            exchange.receive_headers(0)
+        except Exception as error:
+            outcome["error"], outcome["elapsed"] = error, time.monotonic() - started
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    comms[1].abort()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "abort() did not wake the native wait"
+    assert isinstance(outcome["error"], CommClosedError) and 0.25 <= outcome["elapsed"] < 5.0
+    comms[0].abort()
+
+
+def test_the_paths_share_message_numbers_layer_by_layer():
+    """A worker that switches between the native and the Python path between layers keeps the
+    group going: both advance the same per-peer message numbers."""
+    steps = [{"epoch": 0, "tokens": [4]}, {"epoch": 0, "tokens": [2]}]
+    placement = initial_placement(num_layers=LAYERS, num_experts=EXPERTS, num_workers=1, strategy="round_robin")
+    comms = sockets_group(2)
+    w = worker_weights(1, SLOTS, spare=0)[0]
+    pool_rows = {0: (list(range(SLOTS)), torch.arange(SLOTS))}
+
+    def router():
+        exchange = RouterExchange(comms[0], GroupLayout(1, (0,)), 0, 1, SLOTS, TOP_K, HIDDEN, torch.float32, CPU)
+        outs = []
+        for step in steps:
+            for layer in range(LAYERS):
+                tokens = step["tokens"][0]
+                ids = torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)])
+                plan = plan_exchange_on_host(ids, torch.rand(tokens, TOP_K), None, placement.log2phy[layer],
+                                             placement.logcnt[layer], SLOTS, 1)
+                outs.append(exchange.exchange(layer, plan, torch.randn(tokens, HIDDEN), 0)[0])
+            exchange.read_trailers()
+        return outs
+
+    def worker():
+        exchange = WorkerExchange(comms[1], GroupLayout(1, (0,)), SLOTS, HIDDEN, TOP_K, torch.float32, CPU)
+        flips = 0
+        for _ in steps:
+            exchange._native = flips % 2 == 0
+            headers = exchange.receive_headers(0)
+            for layer in range(LAYERS):
+                exchange._native = (flips := flips + 1) % 2 == 0
+                exchange.serve_layer(layer, None if layer else headers, *w[layer], pool_rows)
+        return flips
+
+    outs, flips = run_threads([router, worker])
+    assert flips == len(steps) * LAYERS and len(outs) == flips and all(o.shape[1] == HIDDEN for o in outs)
+    for comm in comms:
+        comm.close()
