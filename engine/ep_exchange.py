@@ -126,6 +126,12 @@ class RouterExchange:
         self._rank_of_worker = {w: layout.worker_rank(i) for i, w in enumerate(layout.participants)}
         self._whole_group = set(self._rank_of_worker) == set(range(num_workers))  # no worker of the plan missing
         self._tags: dict[int, tuple[str, int]] = {}  # layer -> (dispatch tag, its checksum)
+        # float32 CPU routers on the sockets transport with the native kernels: a layer's sends
+        # and receives in one native call (kernels/csrc/cpu_exchange.c)
+        self._native = (isinstance(comm, SocketCommunicator) and device.type == "cpu" and dtype == torch.float32
+                        and native_cpu.unavailable_reason() is None)
+        self._worker_ranks = list(self._rank_of_worker.values())
+        self._workers_in_rank_order = array.array("q", self._rank_of_worker)
 
     def exchange(self, layer: int, plan: ExchangePlan | None, hidden: torch.Tensor | None,
                  epoch: int) -> tuple[torch.Tensor | None, LayerTraffic]:
@@ -144,11 +150,6 @@ class RouterExchange:
             outside = [w for w, n in enumerate(counts) if n and w not in self._rank_of_worker]
             if outside:
                 raise CommError(f"layer {layer}: the plan sends rows to workers {outside}, which are not in the group")
-        # Every worker's header in one tensor, one row each (one host-to-device copy on a GPU).
-        headers = torch.tensor([[counts[worker], checksum, epoch, KIND_STEP, *slot_counts[worker * S:(worker + 1) * S]]
-                                for worker in self._rank_of_worker], dtype=torch.int64)
-        if self.device.type != "cpu":
-            headers = headers.to(self.device)
         packed = None
         if plan is not None and plan.num_rows:
             packed = plan.packed  # the planner's packed rows, where it packed them
@@ -161,21 +162,39 @@ class RouterExchange:
         total = sum(counts[worker] for worker in self._rank_of_worker)
         received = torch.empty(total * row_bytes + len(self._rank_of_worker) * TRAILER_BYTES, dtype=torch.uint8,
                                device=self.device)
-        sends, recvs, sums = [], [], []
-        start = offset = 0
-        for index, (worker, rank) in enumerate(self._rank_of_worker.items()):
+        sums = []
+        offset = 0
+        for worker, rank in self._rank_of_worker.items():
             count = counts[worker]
-            sends.append((rank, headers[index]))
             if count:
-                sends.append((rank, packed[start:start + count]))
                 sums.append(received[offset:offset + count * row_bytes])
             size = count * row_bytes + TRAILER_BYTES
-            recvs.append((rank, received[offset:offset + size]))
             self._trailers.append((layer, rank, received[offset + size - TRAILER_BYTES:offset + size]))
-            start += count
             offset += size
         packed_at = time.perf_counter()
-        self.comm.transfer(sends, recvs, tag=tag)
+        if self._native:  # headers, rows, sums and trailers in one native call (kernels/csrc/cpu_exchange.c)
+            self._native_transfer(tag, checksum, epoch, counts, slot_counts, packed, received)
+            headers_bytes = len(self._rank_of_worker) * 8 * (HEADER_FIELDS + S)
+        else:
+            # Every worker's header in one tensor, one row each (one host-to-device copy on a GPU).
+            headers = torch.tensor([[counts[worker], checksum, epoch, KIND_STEP,
+                                     *slot_counts[worker * S:(worker + 1) * S]]
+                                    for worker in self._rank_of_worker], dtype=torch.int64)
+            if self.device.type != "cpu":
+                headers = headers.to(self.device)
+            headers_bytes = headers.numel() * 8
+            sends, recvs = [], []
+            start = offset = 0
+            for index, (worker, rank) in enumerate(self._rank_of_worker.items()):
+                count = counts[worker]
+                sends.append((rank, headers[index]))
+                if count:
+                    sends.append((rank, packed[start:start + count]))
+                size = count * row_bytes + TRAILER_BYTES
+                recvs.append((rank, received[offset:offset + size]))
+                start += count
+                offset += size
+            self.comm.transfer(sends, recvs, tag=tag)
         exchanged_at = time.perf_counter()
         out = None
         if plan is not None:
@@ -187,12 +206,27 @@ class RouterExchange:
                 out = hidden.new_zeros(plan.num_tokens, self.hidden_size)
         traffic = LayerTraffic(
             rows_per_worker=list(counts),
-            bytes_sent=headers.numel() * 8 + total * self.format.row_bytes,
+            bytes_sent=headers_bytes + total * self.format.row_bytes,
             bytes_received=received.numel(),
             dispatch_s=packed_at - started,
             exchange_s=exchanged_at - packed_at,
         )
         return out, traffic
+
+    def _native_transfer(self, tag: str, checksum: int, epoch: int, counts: list[int], slot_counts: list[int],
+                         packed: torch.Tensor | None, received: torch.Tensor) -> None:
+        """The layer's sends and receives in one native call: each worker's header and rows out,
+        its sums and trailer into ``received``."""
+        info = array.array("q", bytes(8 * native_cpu.INFO_FIELDS))
+        ranks, timeout_s = self._worker_ranks, self.comm.timeout_s
+        status = self.comm.run_native(ranks, tag, lambda fds, wake, received_numbers, sent: native_cpu.router_layer(
+            fds, self._workers_in_rank_order, wake, received_numbers, sent, array.array("q", counts),
+            array.array("q", slot_counts), self.slots_per_worker, epoch, checksum, packed, self.format.row_bytes,
+            received, self.combine_row_bytes, timeout_s, info))
+        if status != native_cpu.LAYER_DONE:
+            error = self.comm.native_failure(status, info, ranks, tag, timeout_s)
+            raise error if error is not None else ValueError(
+                f"raymoe_router_layer refused its arguments (status {status}): a bug")
 
     def _dispatch_tag(self, layer: int) -> tuple[str, int]:
         cached = self._tags.get(layer)

@@ -84,8 +84,10 @@ _SIGNATURES = {
     "raymoe_run_rows": [_P] + [_I64] * 5 + [_P, _P] + [_I64] * 2 + [_P, _P] + [_I64] * 2 + [_P],
     "raymoe_plan_pack": [_P] * 5 + [_I64] * 6 + [_P, _I64] + [_P] * 5,
     "raymoe_worker_layer": [_P, _I64, ctypes.c_int32] + [_P] * 3 + [_I64] * 4 + [_P, _I64] + [_P] * 3 + [_I64] * 5 + [_P],
+    "raymoe_router_layer": [_P, _P, _I64, ctypes.c_int32] + [_P] * 4 + [_I64] * 3 + [_P, _I64, _P, _I64, _I64, _P],
 }
-_RETURNS = {name: ctypes.c_int64 for name in ("raymoe_run_rows", "raymoe_plan_pack", "raymoe_worker_layer")}
+_RETURNS = {name: ctypes.c_int64
+            for name in ("raymoe_run_rows", "raymoe_plan_pack", "raymoe_worker_layer", "raymoe_router_layer")}
 # (the others return an int status)
 
 
@@ -254,6 +256,24 @@ def worker_layer(fds: array.array, wake_fd: int, recv_numbers: array.array, send
         fds.buffer_info()[0], len(fds), wake_fd, recv_numbers.buffer_info()[0], send_numbers.buffer_info()[0],
         headers.buffer_info()[0], slots, flags, dispatch_checksum, combine_checksum, epochs.buffer_info()[0],
         len(epochs), pointer(maps), pointer(packed13), pointer(packed2), pool, hidden, intermediate, top_k,
+        max(1, int(timeout_s * 1e9)), info.buffer_info()[0])
+
+
+def router_layer(fds: array.array, workers: array.array, wake_fd: int, recv_numbers: array.array,
+                 send_numbers: array.array, send_counts: array.array, slot_counts: array.array, slots: int,
+                 epoch: int, dispatch_checksum: int, packed: torch.Tensor | None, row_bytes: int,
+                 received: torch.Tensor, sum_bytes: int, timeout_s: float, info: array.array) -> int:
+    """A router's side of one MoE layer over the sockets transport in one call
+    (kernels/csrc/cpu_exchange.c): to each worker (``fds`` int32, ``workers`` int64: their
+    sockets and worker indices, in rank order) its header and its rows of ``packed`` (the plan's
+    rows in worker order, ``row_bytes`` each; None with no rows), then every worker's sums and
+    trailer into ``received`` (contiguous uint8, in rank order). ``send_counts`` /
+    ``slot_counts`` (int64) are the plan's, over every worker of the placement. Returns the
+    status (``LAYER_DONE`` or a transport ``LAYER_*``), details in ``info``; releases the GIL."""
+    return _library.raymoe_router_layer(
+        fds.buffer_info()[0], workers.buffer_info()[0], len(fds), wake_fd, recv_numbers.buffer_info()[0],
+        send_numbers.buffer_info()[0], send_counts.buffer_info()[0], slot_counts.buffer_info()[0], slots, epoch,
+        dispatch_checksum, None if packed is None else packed.data_ptr(), row_bytes, received.data_ptr(), sum_bytes,
         max(1, int(timeout_s * 1e9)), info.buffer_info()[0])
 
 

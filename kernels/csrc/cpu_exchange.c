@@ -1,5 +1,6 @@
-/* A worker's side of one MoE layer of the expert-parallel exchange over the sockets transport
- * (kernels/comm/sockets.py, engine/ep_exchange.py), in one call from Python:
+/* One MoE layer of the expert-parallel exchange over the sockets transport (kernels/comm/sockets.py,
+ * engine/ep_exchange.py), each side in one call from Python. A worker's side
+ * (raymoe_worker_layer):
  *
  *   1. each router's header message: rows, tag checksum, placement epoch, kind, then the
  *      assignments of each of the worker's S local slots (int64 each);
@@ -9,11 +10,15 @@
  *   4. to each router its rows' weighted sums, then the trailer (float64 expert seconds, int64
  *      combine tag checksum).
  *
+ * A router's side (raymoe_router_layer): its plan's headers and rows to every worker, then every
+ * worker's sums and trailer into one buffer (the combine and the trailers' checks stay in Python).
+ *
  * Every message is framed as sockets.py frames it: int64 message number (the k-th message
  * between two ranks carries k), int64 byte count, then the bytes; a number or size that
  * differs from what this rank expects means the ranks called collectives in different orders.
  * Why in C: at one decoding sequence a layer's worker side was ~180 us of Python around ~100 us
- * of experts (benchmarks/bench_served_phases.py, docs/BENCHMARKS.md).
+ * of experts, and the router's exchange ~100 us (benchmarks/bench_served_phases.py,
+ * docs/BENCHMARKS.md).
  *
  * The sockets are non-blocking; every wait is a poll() on the socket and on `wake_fd` (readable
  * once the communicator is aborted) under one deadline for the layer. Errors return a negative
@@ -267,5 +272,60 @@ int64_t raymoe_worker_layer(
     info[INFO_ROWS] = total;
     info[INFO_ASSIGNMENTS] = assignments;
     info[INFO_COMPUTE_NS] = compute_ns;
+    return DONE;
+}
+
+/* A router's side of one MoE layer: to each worker of the group (fds[i], worker index
+ * workers[i], in rank order) its header (rows, tag checksum, epoch, KIND_STEP, the
+ * assignments of each of its S local slots) and its rows (packed: the plan's rows in worker
+ * order, row_bytes each), then from each its rows' sums and trailer, into `received` (each
+ * worker's rows * sum_bytes + 16 bytes, in rank order). send_counts [all workers] and
+ * slot_counts [all workers][S] are the plan's. Returns DONE, or E_TIMEOUT, E_LOST, E_FRAME,
+ * E_ABORTED, E_MEMORY, E_ARGUMENTS with info as raymoe_worker_layer's (info[PEER]: the index
+ * into fds, info[SENDING] 1 when it happened sending). */
+int64_t raymoe_router_layer(
+    const int32_t *fds, const int64_t *workers, int64_t n, int32_t wake_fd, int64_t *recv_numbers,
+    int64_t *send_numbers, const int64_t *send_counts, const int64_t *slot_counts, int64_t S, int64_t epoch,
+    int64_t dispatch_checksum, const uint8_t *packed, int64_t row_bytes, uint8_t *received, int64_t sum_bytes,
+    int64_t timeout_ns, int64_t *info) {
+    for (int i = 0; i < INFO_FIELDS; i++) info[i] = 0;
+    info[INFO_PEER] = -1;
+    if (n <= 0 || S <= 0 || row_bytes <= 0 || sum_bytes <= 0) return E_ARGUMENTS;
+    const int64_t width = HEADER_FIELDS + S, deadline = now_ns() + timeout_ns;
+    int64_t *header = malloc(sizeof(int64_t) * (size_t)width);
+    if (!header) return E_MEMORY;
+    int64_t start = 0;
+    int status = 0;
+    info[INFO_SENDING] = 1;
+    for (int64_t i = 0; i < n && !status; i++) {
+        const int64_t worker = workers[i], rows = send_counts[worker];
+        if (rows < 0 || (rows && !packed)) { status = E_ARGUMENTS; break; }
+        header[0] = rows;
+        header[1] = dispatch_checksum;
+        header[2] = epoch;
+        header[3] = KIND_STEP;
+        memcpy(header + HEADER_FIELDS, slot_counts + worker * S, sizeof(int64_t) * (size_t)S);
+        int64_t frames[4] = {send_numbers[i], 8 * width, send_numbers[i] + 1, rows * row_bytes};
+        struct iovec parts[4] = {{frames, 16}, {header, (size_t)(8 * width)}, {frames + 2, 16},
+                                 {(void *)(packed + start * row_bytes), (size_t)(rows * row_bytes)}};
+        info[INFO_PEER] = i;
+        status = write_all(fds[i], wake_fd, deadline, parts, rows ? 4 : 2, info);
+        if (!status) send_numbers[i] += rows ? 2 : 1;
+        start += rows;
+    }
+    free(header);
+    info[INFO_SENDING] = 0;
+    int64_t offset = 0;
+    for (int64_t i = 0; i < n && !status; i++) {
+        const int64_t size = send_counts[workers[i]] * sum_bytes + 16;
+        info[INFO_PEER] = i;
+        info[INFO_C] = recv_numbers[i];
+        info[INFO_D] = size;
+        status = read_message(fds[i], wake_fd, deadline, recv_numbers[i], received + offset, size, info);
+        if (!status) recv_numbers[i]++;
+        offset += size;
+    }
+    if (status) return status;
+    info[INFO_PEER] = -1;
     return DONE;
 }

@@ -1,12 +1,14 @@
-"""A worker's layer of the exchange in one native call (kernels/csrc/cpu_exchange.c) against the
+"""Each side's layer of the exchange in one native call (kernels/csrc/cpu_exchange.c) against the
 Python path it replaces, over real sockets groups (routers and workers as threads of this process).
 
-The native call must be the Python path's twin: the same sums bit for bit (one and two routers,
-two workers, a staged placement epoch, an idle tick, steps with no rows), the same message
-numbering (a group may switch between the two paths between layers and keep going), and the same
-errors for what goes wrong: another layer's header, a message of the wrong size, an epoch the
-worker does not serve, headers that disagree with their rows, a silent router (a deadline naming
-it), a router that dies, and an abort from another thread (which must wake the wait at once).
+The native calls must be the Python path's twins: the same sums bit for bit (one and two routers,
+two workers, a staged placement epoch, an idle tick, steps with no rows; every mix of native and
+Python routers and workers), the same message numbering (a worker may switch between the two
+paths between layers and keep going), and the same errors for what goes wrong. A worker: another
+layer's header, a message of the wrong size, an epoch it does not serve, headers that disagree
+with their rows, a silent router (a deadline naming it), a router that dies, and an abort from
+another thread (which must wake the wait at once). A router: a silent worker, a worker that dies,
+a reply of the wrong size.
 """
 
 from __future__ import annotations
@@ -92,9 +94,11 @@ def worker_weights(workers: int, slots: int, spare: int = 2):
             for _ in range(workers)]
 
 
-def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list[dict]) -> list:
+def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list[dict],
+                   native_routers: bool | None = None) -> list:
     """Every router's outputs of every step and layer (plus the workers' row counts), with the
-    workers on the native path or the Python one. ``steps``: per step the epoch the routers use
+    workers on the native path or the Python one (the routers too, unless ``native_routers``
+    says otherwise). ``steps``: per step the epoch the routers use
     and each router's token count (0: nothing this step), or ``{"idle": True}`` for an idle tick."""
     placement = initial_placement(num_layers=LAYERS, num_experts=EXPERTS, num_workers=num_workers,
                                   strategy="round_robin", redundant_slots_per_worker=1)
@@ -106,15 +110,20 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
     staged = [slots + 1] + list(range(1, slots - 1)) + [slots, 0]
     pool = {0: list(range(slots)), 1: staged[:slots]}
     pool_rows = {epoch: (rows, torch.tensor(rows)) for epoch, rows in pool.items()}
-    calls = []
-    original = native_cpu.worker_layer
+    native_routers = native if native_routers is None else native_routers
+    calls = {"worker": 0, "router": 0}
+    originals = native_cpu.worker_layer, native_cpu.router_layer
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
+    def counting(side, function):
+        def counted(*args, **kwargs):
+            calls[side] += 1
+            return function(*args, **kwargs)
+        return counted
 
     def router(index: int):
         exchange = RouterExchange(comms[index], layout, index, num_workers, slots, TOP_K, HIDDEN, torch.float32, CPU)
+        assert exchange._native  # sockets, float32 on a CPU with the native kernels
+        exchange._native = native_routers
         generator = torch.Generator().manual_seed(100 + index)
         outputs = []
         for step in steps:
@@ -151,16 +160,17 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
                 served.append((result.rows, result.assignments))
         return served
 
-    native_cpu.worker_layer = counted
+    native_cpu.worker_layer, native_cpu.router_layer = counting("worker", originals[0]), counting("router", originals[1])
     try:
         results = run_threads([lambda i=i: router(i) for i in range(num_routers)]
                               + [lambda p=p: worker(p) for p in range(num_workers)])
     finally:
-        native_cpu.worker_layer = original
+        native_cpu.worker_layer, native_cpu.router_layer = originals
         for comm in comms:
             comm.close()
-    layers_served = sum(1 for step in steps if not step.get("idle")) * LAYERS * num_workers
-    assert len(calls) == (layers_served + sum(1 for step in steps) * num_workers if native else 0)
+    layers = sum(1 for step in steps if not step.get("idle")) * LAYERS
+    assert calls["worker"] == ((layers + len(steps)) * num_workers if native else 0)
+    assert calls["router"] == (layers * num_routers if native_routers else 0)
     return results
 
 
@@ -174,12 +184,13 @@ STEPS = [
 ]
 
 
-@pytest.mark.parametrize("routers, workers", [(1, 1), (2, 2)])
-def test_native_layer_equals_the_python_path_bit_for_bit(routers, workers):
+@pytest.mark.parametrize("routers, workers, native_workers, native_routers",
+                         [(1, 1, True, True), (2, 2, True, True), (2, 2, True, False), (2, 2, False, True)])
+def test_native_layer_equals_the_python_path_bit_for_bit(routers, workers, native_workers, native_routers):
     steps = [{**s, "tokens": s["tokens"][:routers]} if "tokens" in s else s for s in STEPS]
     if routers == 1:
         steps = [s for s in steps if s.get("idle") or s["tokens"][0]]
-    native = run_deployment(routers, workers, True, steps)
+    native = run_deployment(routers, workers, native_workers, steps, native_routers)
     python = run_deployment(routers, workers, False, steps)
     assert len(native) == len(python) == routers + workers
     for got, expected in zip(native[:routers], python[:routers]):
@@ -350,3 +361,64 @@ def test_the_paths_share_message_numbers_layer_by_layer():
     assert flips == len(steps) * LAYERS and len(outs) == flips and all(o.shape[1] == HIDDEN for o in outs)
     for comm in comms:
         comm.close()
+
+
+# ---- failures: the router (rank 0) exchanges natively, rank 1 stands in for its worker ------------
+def failing_router(worker_does, timeout_s: float = 10.0):
+    """The router's error when rank 1 runs ``worker_does(comm)`` instead of a worker; the time it took."""
+    comms = sockets_group(2, timeout_s)
+    exchange = RouterExchange(comms[0], GroupLayout(1, (0,)), 0, 1, SLOTS, TOP_K, HIDDEN, torch.float32, CPU)
+    assert exchange._native
+    placement = initial_placement(num_layers=1, num_experts=EXPERTS, num_workers=1, strategy="round_robin")
+    plan = plan_exchange_on_host(torch.tensor([[0, 3], [1, 2]]), torch.rand(2, TOP_K), None, placement.log2phy[0],
+                                 placement.logcnt[0], SLOTS, 1)
+    outcome = {}
+
+    def router():
+        started = time.monotonic()
+        try:
+            exchange.exchange(0, plan, torch.randn(2, HIDDEN), 0)
+        except Exception as error:
+            outcome["error"], outcome["elapsed"] = error, time.monotonic() - started
+
+    thread = threading.Thread(target=router, daemon=True)
+    thread.start()
+    worker_does(comms[1])
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert not comms[0].usable
+    for comm in comms:
+        comm.abort()
+    return outcome["error"], outcome["elapsed"]
+
+
+def read_rows(comm):
+    """What a worker reads of the router's layer 0: its header and its two rows."""
+    header = torch.empty(4 + SLOTS, dtype=torch.int64)
+    comm.transfer([], [(0, header)], tag="header")
+    rows = torch.empty(int(header[0]), 4 * HIDDEN + 8 * TOP_K, dtype=torch.uint8)
+    comm.transfer([], [(0, rows)], tag="rows")
+
+
+def test_a_silent_worker_times_out_naming_it():
+    error, elapsed = failing_router(read_rows, timeout_s=0.5)
+    assert isinstance(error, CollectiveTimeout) and "rank 1" in str(error) and "'layer 0 dispatch'" in str(error)
+    assert 0.45 <= elapsed < 5.0
+
+
+def test_a_worker_that_dies_is_a_lost_peer():
+    def die(comm):
+        read_rows(comm)
+        comm.abort()
+
+    error, _ = failing_router(die)
+    assert isinstance(error, PeerLostError) and "rank 1" in str(error)
+
+
+def test_a_reply_of_the_wrong_size_says_the_ranks_called_collectives_in_different_orders():
+    def short_reply(comm):
+        read_rows(comm)
+        comm.transfer([(0, torch.zeros(5, dtype=torch.uint8))], [], tag="short")
+
+    error, _ = failing_router(short_reply)
+    assert isinstance(error, CommError) and "different orders" in str(error) and "rank 1" in str(error)
