@@ -21,7 +21,11 @@ Python, and a batch of decodes gathered its keys into a padded copy before SDPA.
 - :func:`rms_norm` (with the residual add before it) and :func:`rope`: one call each where
   torch took ~5 small ops (kernels/norm.py, kernels/rope.py); at one sequence a decode step's
   dispatch overhead, not its math, is what these remove (in-process step at one sequence
-  2.14-2.35 -> 1.99-2.20 ms with the lone-decode attention, alternating blocks, 12:00).
+  2.14-2.35 -> 1.99-2.20 ms with the lone-decode attention, alternating blocks, 12:00);
+- :func:`worker_layer` and :func:`router_layer`: each side's whole MoE layer of the exchange
+  over the sockets transport in one call (kernels/csrc/cpu_exchange.c; engine/ep_exchange.py
+  takes them), reading and writing the transport's framed messages itself: at one sequence the
+  served step's CPU outside the experts and the dense part fell by more than half.
 
 Contracts:
 - **Row-invariant.** Every output element is one chain of fused multiply-adds in a fixed
