@@ -332,6 +332,9 @@ def test_rms_norm_matches_float64_is_row_invariant_and_adds_the_residual_exactly
     torch.testing.assert_close(h, F.rms_norm(total, (256,), weight, eps), rtol=2e-6, atol=1e-6)
     assert torch.equal(rms_norm(total, weight, eps), h)
     assert add_rms_norm(x, None, weight, eps)[0] is x
+    # a residual of another dtype is added as torch adds it (promoted), not read as float32 bytes
+    total64, h64 = add_rms_norm(x, delta.double(), weight, eps)
+    assert total64.dtype == torch.float64 and torch.equal(total64, x + delta.double())
     for row in range(rows):  # a row alone: the same bits
         assert torch.equal(rms_norm(total[row:row + 1].clone(), weight, eps)[0], h[row])
     native_cpu.set_enabled(False)  # torch's: the same within float32 rounding
