@@ -126,6 +126,7 @@ class RouterExchange:
         self._rank_of_worker = {w: layout.worker_rank(i) for i, w in enumerate(layout.participants)}
         self._whole_group = set(self._rank_of_worker) == set(range(num_workers))  # no worker of the plan missing
         self._tags: dict[int, tuple[str, int]] = {}  # layer -> (dispatch tag, its checksum)
+        self._combine_checksums: dict[int, int] = {}  # layer -> its combine tag's checksum
         # float32 CPU routers on the sockets transport with the native kernels: a layer's sends
         # and receives in one native call (kernels/csrc/cpu_exchange.c)
         self._native = (isinstance(comm, SocketCommunicator) and device.type == "cpu" and dtype == torch.float32
@@ -245,7 +246,10 @@ class RouterExchange:
         per_layer: dict[int, float] = {}
         for (layer, rank, _), (second_bits, checksum) in zip(trailers, raw):
             second = struct.unpack("<d", struct.pack("<q", second_bits))[0]
-            if checksum != tag_checksum(layer_tag(layer, "combine")):
+            expected = self._combine_checksums.get(layer)
+            if expected is None:
+                expected = self._combine_checksums[layer] = tag_checksum(layer_tag(layer, "combine"))
+            if checksum != expected:
                 raise CollectiveMismatch(tag=layer_tag(layer, "combine"), peer=rank, world_size=self.layout.world_size)
             per_layer[layer] = max(per_layer.get(layer, 0.0), second)
         return sum(per_layer.values())

@@ -92,9 +92,12 @@ class AttentionMetadata:
         # Step 2: each new token's sequence and position, then its slot.
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         ctx_lens = torch.tensor(context_lens, dtype=torch.int64)
-        seq = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # [T]
-        first_row = torch.cumsum(q_lens, 0) - q_lens
-        positions = torch.arange(seq.shape[0]) - first_row[seq] + (ctx_lens - q_lens)[seq]  # [T]
+        if len(query_lens) == sum(query_lens):  # decodes only: token i is sequence i's last
+            seq, positions = torch.arange(len(query_lens)), ctx_lens - 1
+        else:
+            seq = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # [T]
+            first_row = torch.cumsum(q_lens, 0) - q_lens
+            positions = torch.arange(seq.shape[0]) - first_row[seq] + (ctx_lens - q_lens)[seq]  # [T]
         slots = tables[seq, positions // block_size] * block_size + positions % block_size
         return cls(query_lens=q_lens, context_lens=ctx_lens, block_tables=tables, slot_mapping=slots)
 

@@ -157,6 +157,14 @@ def test_metadata_slots_for_a_chunk_after_cached_context():
     assert metadata.block_tables.tolist() == [[7, 2], [5, 0]]  # only the blocks the context uses
 
 
+def test_metadata_slots_for_a_batch_of_decodes():
+    # one new token each (the decode path): positions 10, 0, 15 and 16 of their sequences
+    metadata = AttentionMetadata.build([1, 1, 1, 1], [11, 1, 16, 17], [[7, 2], [5], [3, 4], [6, 1, 9]], 8)
+    assert metadata.slot_mapping.tolist() == [2 * 8 + 2, 5 * 8 + 0, 4 * 8 + 7, 9 * 8 + 0]
+    mixed = AttentionMetadata.build([1, 2, 1], [11, 2, 16], [[7, 2], [5], [3, 4]], 8)  # the general path
+    assert mixed.slot_mapping.tolist() == [2 * 8 + 2, 5 * 8 + 0, 5 * 8 + 1, 4 * 8 + 7]
+
+
 @pytest.mark.parametrize("query_lens, context_lens, tables, words", [
     ([0], [4], [[0]], "1 <= new <= total"),
     ([5], [4], [[0]], "1 <= new <= total"),
