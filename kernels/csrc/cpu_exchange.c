@@ -72,6 +72,15 @@ static int wait_ready(int fd, short events, int wake_fd, int64_t deadline_ns) {
     }
 }
 
+/* After a read or write that failed: 0 to try again (interrupted, or the socket is ready now),
+ * else the status to return (the deadline, an abort, or a broken connection: errno in info[A]). */
+static int after_failure(int fd, short events, int wake_fd, int64_t deadline_ns, int64_t *info) {
+    if (errno == EINTR) return 0;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return wait_ready(fd, events, wake_fd, deadline_ns);
+    info[INFO_A] = errno;
+    return E_LOST;
+}
+
 /* Drops the leading iovecs that `done` bytes filled, and trims the first one left. */
 static void advance(struct iovec **iov, int *count, size_t done) {
     while (*count > 0 && done >= (*iov)->iov_len) {
@@ -101,14 +110,9 @@ static int read_message(int fd, int wake_fd, int64_t deadline_ns, int64_t number
         ssize_t got = readv(fd, iov, count);
         if (got == 0) return E_LOST;
         if (got < 0) {
-            if (errno == EINTR) continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                int status = wait_ready(fd, POLLIN, wake_fd, deadline_ns);
-                if (status) return status;
-                continue;
-            }
-            info[INFO_A] = errno;
-            return E_LOST;
+            int status = after_failure(fd, POLLIN, wake_fd, deadline_ns, info);
+            if (status) return status;
+            continue;
         }
         got_total += (size_t)got;
         advance(&iov, &count, (size_t)got);
@@ -134,14 +138,9 @@ static int write_all(int fd, int wake_fd, int64_t deadline_ns, struct iovec *iov
         message.msg_iovlen = (size_t)count;
         ssize_t sent = sendmsg(fd, &message, MSG_NOSIGNAL);
         if (sent < 0) {
-            if (errno == EINTR) continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                int status = wait_ready(fd, POLLOUT, wake_fd, deadline_ns);
-                if (status) return status;
-                continue;
-            }
-            info[INFO_A] = errno;
-            return E_LOST;
+            int status = after_failure(fd, POLLOUT, wake_fd, deadline_ns, info);
+            if (status) return status;
+            continue;
         }
         advance(&iov, &count, (size_t)sent);
     }

@@ -241,28 +241,35 @@ def slot_counts(slots=(0, 3)) -> list[int]:
     return [int(s in slots) for s in range(SLOTS)]
 
 
+def failure_of(call, other_does, comms: list[SocketCommunicator], rank: int):
+    """The error ``call()`` raises on ``rank`` (of two) while the other rank runs
+    ``other_does(its communicator)``, and the time it took; the failure must break ``rank``'s
+    communicator."""
+    outcome = {}
+
+    def body():
+        started = time.monotonic()
+        try:
+            call()
+        except Exception as error:
+            outcome["error"], outcome["elapsed"] = error, time.monotonic() - started
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    other_does(comms[1 - rank])
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert not comms[rank].usable
+    for comm in comms:
+        comm.abort()
+    return outcome["error"], outcome["elapsed"]
+
+
 def failing_layer(router_sends, timeout_s: float = 10.0, layer: int = 0):
     """The worker's error when rank 0 runs ``router_sends(comm)`` instead of a router; the time it took."""
     comms = sockets_group(2, timeout_s)
     exchange = native_worker(comms[1])
-    outcome = {}
-
-    def worker():
-        started = time.monotonic()
-        try:
-            serve_one_layer(exchange, layer)
-        except Exception as error:
-            outcome["error"], outcome["elapsed"] = error, time.monotonic() - started
-
-    thread = threading.Thread(target=worker, daemon=True)
-    thread.start()
-    router_sends(comms[0])
-    thread.join(timeout=60)
-    assert not thread.is_alive()
-    assert not comms[1].usable  # a failure breaks the worker's communicator
-    for comm in comms:
-        comm.abort()
-    return outcome["error"], outcome["elapsed"]
+    return failure_of(lambda: serve_one_layer(exchange, layer), router_sends, comms, 1)
 
 
 def test_a_header_of_another_layer_is_a_mismatch_naming_the_router():
@@ -384,24 +391,7 @@ def failing_router(worker_does, timeout_s: float = 10.0):
     placement = initial_placement(num_layers=1, num_experts=EXPERTS, num_workers=1, strategy="round_robin")
     plan = plan_exchange_on_host(torch.tensor([[0, 3], [1, 2]]), torch.rand(2, TOP_K), None, placement.log2phy[0],
                                  placement.logcnt[0], SLOTS, 1)
-    outcome = {}
-
-    def router():
-        started = time.monotonic()
-        try:
-            exchange.exchange(0, plan, torch.randn(2, HIDDEN), 0)
-        except Exception as error:
-            outcome["error"], outcome["elapsed"] = error, time.monotonic() - started
-
-    thread = threading.Thread(target=router, daemon=True)
-    thread.start()
-    worker_does(comms[1])
-    thread.join(timeout=60)
-    assert not thread.is_alive()
-    assert not comms[0].usable
-    for comm in comms:
-        comm.abort()
-    return outcome["error"], outcome["elapsed"]
+    return failure_of(lambda: exchange.exchange(0, plan, torch.randn(2, HIDDEN), 0), worker_does, comms, 0)
 
 
 def read_rows(comm):
