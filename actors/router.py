@@ -48,6 +48,19 @@ IDLE_MAX_S = 0.016
 TICK_ROUNDS = 32
 TICK_S = 0.5
 NOT_JOINED_WAIT_S = 0.05
+
+
+def idle_wait_s(num_routers: int, idle_rounds: int) -> float | None:
+    """How long a router without work waits (or until work arrives) before its next agreement
+    round, after ``idle_rounds`` rounds in a row in which nobody stepped: a lone router up to
+    TICK_S; one of several not at all right after a group step (another router, which has work,
+    is likely waiting in the agreement for it already: a wait here would hold up that router's
+    step), then IDLE_MIN_S doubling each idle round up to IDLE_MAX_S."""
+    if num_routers == 1:
+        return TICK_S
+    if idle_rounds == 0:
+        return None
+    return min(IDLE_MIN_S * 2 ** min(idle_rounds - 1, 8), IDLE_MAX_S)
 IDLE_SUBSCRIBER_WAIT_S = 1.0  # a subscriber stream re-checks for shutdown this often
 
 
@@ -204,8 +217,9 @@ class Router:
     def _step_loop(self) -> None:
         """One group step per turn, in lockstep with every other router of the deployment.
 
-        Routers first agree whether anyone has work (one flag each, routers only). If nobody
-        has, each waits a little (longer the longer it stays idle, at once when work arrives),
+        Routers first agree whether anyone has work (one flag each, routers only). A router
+        without work agrees at once after a group step (see :func:`idle_wait_s`); once nobody
+        has had work, each waits a little (longer the longer it stays idle, at once when work arrives),
         and every ``TICK_ROUNDS`` idle rounds they tell the workers so (an idle tick), which
         keeps the workers' deadline for the next step from expiring in a quiet deployment.
         """
@@ -217,9 +231,9 @@ class Router:
                 if self.experts.exchange is None:
                     self._wake.wait(NOT_JOINED_WAIT_S)
                     continue
-                if not self._pending_work():
-                    self._wake.wait(TICK_S if self.num_routers == 1 else
-                                    min(IDLE_MIN_S * 2 ** min(self.idle_rounds, 8), IDLE_MAX_S))
+                wait_s = None if self._pending_work() else idle_wait_s(self.num_routers, self.idle_rounds)
+                if wait_s is not None:
+                    self._wake.wait(wait_s)
                     if self._stopped:
                         return
             with self._lock:
