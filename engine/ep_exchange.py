@@ -26,6 +26,7 @@ tell, the rank. Nothing here imports Ray.
 from __future__ import annotations
 
 import array
+import functools
 import struct
 import time
 from concurrent.futures import Executor
@@ -93,6 +94,14 @@ def layer_tag(layer: int, what: str) -> str:
     return f"layer {layer} {what}"
 
 
+@functools.lru_cache(maxsize=None)
+def layer_tags(layer: int) -> tuple[str, int, str, int]:
+    """A layer's dispatch tag and its checksum, then its combine tag and its checksum (made once
+    per layer: both sides use them every step)."""
+    dispatch, combine = layer_tag(layer, "dispatch"), layer_tag(layer, "combine")
+    return dispatch, tag_checksum(dispatch), combine, tag_checksum(combine)
+
+
 def _header(rows: int, tag: str, epoch: int, kind: int, slot_counts: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor([rows, tag_checksum(tag), epoch, kind, *slot_counts], dtype=torch.int64).to(device)
 
@@ -125,8 +134,6 @@ class RouterExchange:
         self.combine_row_bytes = self.format.activation_bytes
         self._rank_of_worker = {w: layout.worker_rank(i) for i, w in enumerate(layout.participants)}
         self._whole_group = set(self._rank_of_worker) == set(range(num_workers))  # no worker of the plan missing
-        self._tags: dict[int, tuple[str, int]] = {}  # layer -> (dispatch tag, its checksum)
-        self._combine_checksums: dict[int, int] = {}  # layer -> its combine tag's checksum
         # float32 CPU routers on the sockets transport with the native kernels: a layer's sends
         # and receives in one native call (kernels/csrc/cpu_exchange.c)
         self._native = (isinstance(comm, SocketCommunicator) and device.type == "cpu" and dtype == torch.float32
@@ -141,7 +148,7 @@ class RouterExchange:
         ``plan`` None: this router has nothing this step (zero rows to every worker).
         """
         started = time.perf_counter()
-        tag, checksum = self._dispatch_tag(layer)
+        tag, checksum, _, _ = layer_tags(layer)
         S = self.slots_per_worker
         if plan is not None:
             counts, slot_counts = plan.send_counts, plan.slot_counts
@@ -229,13 +236,6 @@ class RouterExchange:
             raise error if error is not None else ValueError(
                 f"raymoe_router_layer refused its arguments (status {status}): a bug")
 
-    def _dispatch_tag(self, layer: int) -> tuple[str, int]:
-        cached = self._tags.get(layer)
-        if cached is None:
-            tag = layer_tag(layer, "dispatch")
-            cached = self._tags[layer] = (tag, tag_checksum(tag))
-        return cached
-
     def read_trailers(self) -> float:
         """The step's expert seconds (sum over layers of the slowest worker), checking every
         combine's tag; one host read for the whole step."""
@@ -246,11 +246,9 @@ class RouterExchange:
         per_layer: dict[int, float] = {}
         for (layer, rank, _), (second_bits, checksum) in zip(trailers, raw):
             second = struct.unpack("<d", struct.pack("<q", second_bits))[0]
-            expected = self._combine_checksums.get(layer)
-            if expected is None:
-                expected = self._combine_checksums[layer] = tag_checksum(layer_tag(layer, "combine"))
+            _, _, combine_tag, expected = layer_tags(layer)
             if checksum != expected:
-                raise CollectiveMismatch(tag=layer_tag(layer, "combine"), peer=rank, world_size=self.layout.world_size)
+                raise CollectiveMismatch(tag=combine_tag, peer=rank, world_size=self.layout.world_size)
             per_layer[layer] = max(per_layer.get(layer, 0.0), second)
         return sum(per_layer.values())
 
@@ -297,20 +295,12 @@ class WorkerExchange:
         self.top_k, self.hidden_size, self.dtype, self.device = top_k, hidden_size, dtype, device
         self.row_bytes, self.activation_bytes = self.format.row_bytes, self.format.activation_bytes
         self._identity = list(range(slots_per_worker))  # pool rows when no expert is staged
-        self._tags: dict[int, tuple[str, int, str, int]] = {}  # layer -> dispatch tag, checksum, combine tag, checksum
         self._probe = torch.empty(1, hidden_size, dtype=dtype, device=device)  # the rows' dtype and device
         # float32 CPU workers on the sockets transport with the native kernels: a layer's headers,
         # rows, experts and sums in one native call (kernels/csrc/cpu_exchange.c)
         self._native = (isinstance(comm, SocketCommunicator) and executor is None and device.type == "cpu"
                         and native_cpu.plan_applies(self._probe))
         self._routers = layout.router_ranks
-
-    def _layer_tags(self, layer: int) -> tuple[str, int, str, int]:
-        tags = self._tags.get(layer)
-        if tags is None:
-            dispatch, combine = layer_tag(layer, "dispatch"), layer_tag(layer, "combine")
-            tags = self._tags[layer] = (dispatch, tag_checksum(dispatch), combine, tag_checksum(combine))
-        return tags
 
     def receive_headers(self, layer: int, timeout_s: float | None = None) -> list[list[int]] | None:
         """One header per router (host ints), or None for an idle tick (no step now)."""
@@ -319,7 +309,7 @@ class WorkerExchange:
             width = HEADER_FIELDS + self.slots_per_worker
             return None if headers is None else [headers[r * width:(r + 1) * width].tolist()
                                                  for r in range(len(self._routers))]
-        tag, expected, _, _ = self._layer_tags(layer)
+        tag, expected, _, _ = layer_tags(layer)
         width = HEADER_FIELDS + self.slots_per_worker
         received = torch.empty(self.layout.num_routers, width, dtype=torch.int64, device=self.device)
         self.comm.transfer([], [(rank, received[rank]) for rank in self.layout.router_ranks], tag=tag,
@@ -347,8 +337,8 @@ class WorkerExchange:
         if headers is None:
             headers = self.receive_headers(layer)
             if headers is None:
-                raise CommError(f"collective {self._layer_tags(layer)[0]!r}: an idle tick inside a step")
-        tag = self._layer_tags(layer)[0]
+                raise CommError(f"collective {layer_tags(layer)[0]!r}: an idle tick inside a step")
+        tag = layer_tags(layer)[0]
         counts = [header[0] for header in headers]
         epochs = [header[2] for header in headers]
         total = sum(counts)
@@ -406,7 +396,7 @@ class WorkerExchange:
         """One native call (kernels/csrc/cpu_exchange.c): with ``w13`` None, only this layer's
         headers (returned flat, or None for an idle tick); else the whole layer, reading the
         headers unless given. Errors as the Python path raises them."""
-        dispatch_tag, dispatch_checksum, combine_tag, combine_checksum = self._layer_tags(layer)
+        dispatch_tag, dispatch_checksum, combine_tag, combine_checksum = layer_tags(layer)
         width = HEADER_FIELDS + self.slots_per_worker
         comm, routers = self.comm, self._routers
         if headers is not None:
@@ -461,7 +451,7 @@ class WorkerExchange:
                    compute_s: float, message: torch.Tensor | None = None) -> WorkerLayerResult:
         """Each router's rows of ``partial``, then the trailer (expert seconds, tag checksum).
         ``message``: one router's buffer whose first bytes already hold ``partial``."""
-        _, _, combine_tag, combine_checksum = self._layer_tags(layer)
+        _, _, combine_tag, combine_checksum = layer_tags(layer)
         trailer = TRAILER.pack(compute_s, combine_checksum)
         sends = []
         if message is not None or (self.device.type == "cpu" and len(counts) == 1):  # sums, then trailer: one buffer

@@ -206,10 +206,8 @@ class SocketCommunicator(PointToPointCommunicator):
                       else "the connection was closed (the peer process most likely died)")
             return self._lost(peer if peer is not None else -1, tag, detail)
         if status == native_cpu.LAYER_FRAME:
-            return self._broken(CommError(
-                f"collective {tag!r}: rank {peer} (of {self.world_size}) sent message {info[native_cpu.INFO_A]} of "
-                f"{info[native_cpu.INFO_B]} bytes where this rank expects message {info[native_cpu.INFO_C]} of "
-                f"{info[native_cpu.INFO_D]} bytes; the ranks called collectives in different orders. {RECOVERY_HINT}"))
+            return self._out_of_order(tag, peer, info[native_cpu.INFO_A], info[native_cpu.INFO_B],
+                                      info[native_cpu.INFO_C], info[native_cpu.INFO_D])
         return None
 
     def abort(self) -> None:
@@ -357,11 +355,16 @@ class SocketCommunicator(PointToPointCommunicator):
         message = incoming.message
         expected = message.buffer.numel()
         if number != message.number or size != expected:
-            raise self._broken(CommError(
-                f"collective {tag!r}: rank {message.peer} (of {self.world_size}) sent message {number} of "
-                f"{size} bytes where this rank expects message {message.number} of {expected} bytes; the ranks "
-                f"called collectives in different orders. {RECOVERY_HINT}"
-            ))
+            raise self._out_of_order(tag, message.peer, number, size, message.number, expected)
+
+    def _out_of_order(self, tag: str, peer: int | None, number: int, size: int, expected_number: int,
+                      expected_size: int) -> CommError:
+        """A frame that is not the one expected from ``peer`` (this communicator marked broken)."""
+        return self._broken(CommError(
+            f"collective {tag!r}: rank {peer} (of {self.world_size}) sent message {number} of {size} bytes "
+            f"where this rank expects message {expected_number} of {expected_size} bytes; the ranks called "
+            f"collectives in different orders. {RECOVERY_HINT}"
+        ))
 
     def _lost(self, peer: int, tag: str,
               detail: str = "the connection was closed (the peer process most likely died)") -> CommError:
