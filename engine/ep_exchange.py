@@ -221,6 +221,34 @@ class RouterExchange:
         )
         return out, traffic
 
+    def exchange_empty(self, layers: range, epoch: int) -> None:
+        """Zero rows to every worker for each of ``layers``: a router with nothing this step, or
+        the layers its step did not reach. Every layer's header goes out at once, then every
+        trailer is read (one call): the workers find this router's headers waiting instead of
+        each layer waiting for its round trip of the layer before (with routers on other cores,
+        a cross-core wake-up per layer on every worker's path), as :meth:`exchange` with no
+        plan would, layer by layer. The workers see the same messages in the same order."""
+        if not layers:
+            return
+        S, ranks = self.slots_per_worker, list(self._rank_of_worker.values())
+        headers = torch.zeros(len(layers) * len(ranks), HEADER_FIELDS + S, dtype=torch.int64)
+        headers[:, 2], headers[:, 3] = epoch, KIND_STEP
+        for index, layer in enumerate(layers):
+            headers[index * len(ranks):(index + 1) * len(ranks), 1] = layer_tags(layer)[1]
+        received = torch.empty(len(layers) * len(ranks), TRAILER_BYTES, dtype=torch.uint8, device=self.device)
+        if self.device.type != "cpu":
+            headers = headers.to(self.device)
+        sends, recvs = [], []
+        for index, layer in enumerate(layers):
+            for position, rank in enumerate(ranks):
+                row = index * len(ranks) + position
+                sends.append((rank, headers[row]))
+                recvs.append((rank, received[row]))
+                self._trailers.append((layer, rank, received[row]))
+        first, last = layers[0], layers[-1]
+        tag = layer_tag(first, "dispatch") if first == last else f"layers {first}-{last} dispatch (no rows)"
+        self.comm.transfer(sends, recvs, tag=tag)
+
     def _native_transfer(self, tag: str, checksum: int, epoch: int, counts: list[int], slot_counts: list[int],
                          packed: torch.Tensor | None, received: torch.Tensor) -> None:
         """The layer's sends and receives in one native call: each worker's header and rows out,

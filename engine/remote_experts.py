@@ -66,10 +66,9 @@ class RemoteExperts:
         self.telemetry.begin_step(self._step_started)  # forget a step that failed part-way (it is being retried)
 
     def complete_step(self) -> None:
-        """Exchange zero rows for the layers this step did not reach; record the step."""
-        while self._cursor < self.placement.num_layers:
-            self._step_exchange.exchange(self._cursor, None, None, self.placement.epoch)
-            self._cursor += 1
+        """Exchange zero rows for the layers this step did not reach (all at once); record the step."""
+        self._step_exchange.exchange_empty(range(self._cursor, self.placement.num_layers), self.placement.epoch)
+        self._cursor = self.placement.num_layers
         expert_s = self._step_exchange.read_trailers()
         if self._real:
             total = time.perf_counter() - self._step_started

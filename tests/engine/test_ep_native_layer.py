@@ -95,11 +95,14 @@ def worker_weights(workers: int, slots: int, spare: int = 2):
 
 
 def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list[dict],
-                   native_routers: bool | None = None) -> list:
+                   native_routers: bool | None = None, empty_at_once: bool = False) -> list:
     """Every router's outputs of every step and layer (plus the workers' row counts), with the
     workers on the native path or the Python one (the routers too, unless ``native_routers``
-    says otherwise). ``steps``: per step the epoch the routers use
-    and each router's token count (0: nothing this step), or ``{"idle": True}`` for an idle tick."""
+    says otherwise). ``steps``: per step the epoch the routers use, each router's token count
+    (0: nothing this step) and optionally ``"empty_from"`` (router -> the first layer it sends
+    no rows, as a step that stopped part-way), or ``{"idle": True}`` for an idle tick. Layers
+    without rows go layer by layer through ``exchange`` with no plan, or, with
+    ``empty_at_once``, all of a step's in one ``exchange_empty`` (the router's step end)."""
     placement = initial_placement(num_layers=LAYERS, num_experts=EXPERTS, num_workers=num_workers,
                                   strategy="round_robin", redundant_slots_per_worker=1)
     slots = placement.slots_per_worker
@@ -131,15 +134,21 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
                 exchange.idle_tick()
                 continue
             tokens = step["tokens"][index]
+            empty_from = empty_layer(step, index) if empty_at_once else LAYERS
             for layer in range(LAYERS):
                 hidden = torch.randn(max(tokens, 1), HIDDEN, generator=generator)[:tokens]
                 ids = torch.stack([torch.randperm(EXPERTS, generator=generator)[:TOP_K] for _ in range(tokens)]) \
                     if tokens else torch.zeros(0, TOP_K, dtype=torch.int64)
                 gates = torch.rand(tokens, TOP_K, generator=generator)
+                if layer >= empty_from:
+                    continue  # sent below, with the step's other layers without rows
                 plan = plan_exchange_on_host(ids, gates, None, placement.log2phy[layer], placement.logcnt[layer],
-                                             slots, num_workers) if tokens else None
+                                             slots, num_workers) if tokens and layer < empty_layer(step, index) else None
                 out, _ = exchange.exchange(layer, plan, hidden, step["epoch"])
                 outputs.append(out)
+            if empty_from < LAYERS:
+                exchange.exchange_empty(range(empty_from, LAYERS), step["epoch"])
+                outputs.extend([None] * (LAYERS - empty_from))
             exchange.read_trailers()
         return outputs
 
@@ -170,8 +179,18 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
             comm.close()
     layers = sum(1 for step in steps if not step.get("idle")) * LAYERS
     assert calls["worker"] == ((layers + len(steps)) * num_workers if native else 0)
-    assert calls["router"] == (layers * num_routers if native_routers else 0)
+    # (exchange_empty's layers go through the transport's Python path)
+    routed = sum(empty_layer(step, r) if empty_at_once else LAYERS
+                 for step in steps if not step.get("idle") for r in range(num_routers))
+    assert calls["router"] == (routed if native_routers else 0)
     return results
+
+
+def empty_layer(step: dict, router: int) -> int:
+    """The first layer of ``step`` at which ``router`` sends no rows (LAYERS: none)."""
+    if not step["tokens"][router]:
+        return 0
+    return step.get("empty_from", {}).get(router, LAYERS)
 
 
 STEPS = [
@@ -201,6 +220,29 @@ def test_native_layer_equals_the_python_path_bit_for_bit(routers, workers, nativ
                 assert a.shape == b.shape and torch.equal(a, b)
     assert native[routers:] == python[routers:]  # rows and assignments per layer
     assert any(rows for served in native[routers:] for rows, _ in served)
+
+
+@pytest.mark.parametrize("native_workers, native_routers", [(True, True), (False, False), (True, False)])
+def test_layers_without_rows_at_once_equal_layer_by_layer(native_workers, native_routers):
+    """A router's layers without rows (nothing this step, or the rest of a step that stopped
+    part-way) sent all at once by ``exchange_empty``: the workers read the same messages, so
+    every router's sums are bit for bit those of the layer-by-layer exchange, over native and
+    Python workers, with an idle tick and a staged epoch between."""
+    steps = [{"epoch": 0, "tokens": [3, 0]},  # router 1 idle: all its layers at once
+             {"epoch": 0, "tokens": [2, 4], "empty_from": {0: 1}},  # router 0 stops after layer 0
+             {"idle": True},
+             {"epoch": 1, "tokens": [0, 6], "empty_from": {1: 2}},  # both: one idle, one part-way
+             {"epoch": 1, "tokens": [5, 1]}]
+    at_once = run_deployment(2, 2, native_workers, steps, native_routers, empty_at_once=True)
+    by_layer = run_deployment(2, 2, native_workers, steps, native_routers)
+    for got, expected in zip(at_once[:2], by_layer[:2]):
+        assert len(got) == len(expected) == len(steps[:-1]) * LAYERS
+        for a, b in zip(got, expected):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.shape == b.shape and torch.equal(a, b)
+    assert sum(a is None for a in at_once[0]) == LAYERS + LAYERS - 1  # the layers without rows
+    assert at_once[2:] == by_layer[2:] and any(rows for served in at_once[2:] for rows, _ in served)
 
 
 def test_layers_larger_than_the_socket_buffers_go_through_in_parts():
