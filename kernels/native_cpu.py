@@ -89,9 +89,11 @@ _SIGNATURES = {
     "raymoe_plan_pack": [_P] * 5 + [_I64] * 6 + [_P, _I64] + [_P] * 5,
     "raymoe_worker_layer": [_P, _I64, ctypes.c_int32] + [_P] * 3 + [_I64] * 4 + [_P, _I64] + [_P] * 3 + [_I64] * 5 + [_P],
     "raymoe_router_layer": [_P, _P, _I64, ctypes.c_int32] + [_P] * 4 + [_I64] * 3 + [_P, _I64, _P, _I64, _I64, _P],
+    "raymoe_router_empty_layers": [_P, _I64, ctypes.c_int32, _P, _P, _I64, _P, _I64, _I64, _P, _I64, _P],
 }
 _RETURNS = {name: ctypes.c_int64
-            for name in ("raymoe_run_rows", "raymoe_plan_pack", "raymoe_worker_layer", "raymoe_router_layer")}
+            for name in ("raymoe_run_rows", "raymoe_plan_pack", "raymoe_worker_layer", "raymoe_router_layer",
+                         "raymoe_router_empty_layers")}
 # (the others return an int status)
 
 
@@ -278,6 +280,20 @@ def router_layer(fds: array.array, workers: array.array, wake_fd: int, recv_numb
         fds.buffer_info()[0], workers.buffer_info()[0], len(fds), wake_fd, recv_numbers.buffer_info()[0],
         send_numbers.buffer_info()[0], send_counts.buffer_info()[0], slot_counts.buffer_info()[0], slots, epoch,
         dispatch_checksum, None if packed is None else packed.data_ptr(), row_bytes, received.data_ptr(), sum_bytes,
+        max(1, int(timeout_s * 1e9)), info.buffer_info()[0])
+
+
+def router_empty_layers(fds: array.array, wake_fd: int, recv_numbers: array.array, send_numbers: array.array,
+                        dispatch_checksums: array.array, slots: int, epoch: int, received: torch.Tensor,
+                        timeout_s: float, info: array.array) -> int:
+    """A router's side of several MoE layers without rows in one call (kernels/csrc/cpu_exchange.c):
+    every layer's header (one checksum each in ``dispatch_checksums``, int64) to each worker
+    (``fds``, in rank order) at once, then every layer's trailer from each into ``received``
+    (contiguous uint8, ``[layers][workers][16]``). Statuses and ``info`` as :func:`router_layer`'s;
+    releases the GIL."""
+    return _library.raymoe_router_empty_layers(
+        fds.buffer_info()[0], len(fds), wake_fd, recv_numbers.buffer_info()[0], send_numbers.buffer_info()[0],
+        len(dispatch_checksums), dispatch_checksums.buffer_info()[0], slots, epoch, received.data_ptr(),
         max(1, int(timeout_s * 1e9)), info.buffer_info()[0])
 
 

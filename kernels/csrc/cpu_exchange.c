@@ -328,3 +328,53 @@ int64_t raymoe_router_layer(
     info[INFO_PEER] = -1;
     return DONE;
 }
+
+/* A router's side of `layers` MoE layers in which it sends no rows (nothing this step, or the
+ * layers a step did not reach): to each worker of the group (fds[i], in rank order) every
+ * layer's header (0 rows, dispatch_checksums[l], epoch, KIND_STEP, S zero slot counts) in one
+ * write, then from each worker every layer's trailer (16 bytes, no sums), into `received`
+ * ([layers][n][16], layer-major). The messages are raymoe_router_layer's with no rows, in the
+ * same order; only the waiting differs: a worker never waits for this router's round trip of
+ * the layer before. Statuses and info as raymoe_router_layer's. */
+int64_t raymoe_router_empty_layers(
+    const int32_t *fds, int64_t n, int32_t wake_fd, int64_t *recv_numbers, int64_t *send_numbers,
+    int64_t layers, const int64_t *dispatch_checksums, int64_t S, int64_t epoch, uint8_t *received,
+    int64_t timeout_ns, int64_t *info) {
+    for (int i = 0; i < INFO_FIELDS; i++) info[i] = 0;
+    info[INFO_PEER] = -1;
+    if (n <= 0 || S <= 0 || layers <= 0) return E_ARGUMENTS;
+    const int64_t width = HEADER_FIELDS + S, framed = 2 + width, deadline = now_ns() + timeout_ns;
+    int64_t *messages = calloc((size_t)(layers * framed), sizeof(int64_t));
+    if (!messages) return E_MEMORY;
+    int status = 0;
+    info[INFO_SENDING] = 1;
+    for (int64_t i = 0; i < n && !status; i++) {
+        for (int64_t l = 0; l < layers; l++) {
+            int64_t *message = messages + l * framed;
+            message[0] = send_numbers[i] + l;
+            message[1] = 8 * width;
+            message[2] = 0;
+            message[3] = dispatch_checksums[l];
+            message[4] = epoch;
+            message[5] = KIND_STEP;
+        }
+        struct iovec part = {messages, (size_t)(8 * layers * framed)};
+        info[INFO_PEER] = i;
+        status = write_all(fds[i], wake_fd, deadline, &part, 1, info);
+        if (!status) send_numbers[i] += layers;
+    }
+    free(messages);
+    info[INFO_SENDING] = 0;
+    for (int64_t l = 0; l < layers && !status; l++) {
+        for (int64_t i = 0; i < n && !status; i++) {
+            info[INFO_PEER] = i;
+            info[INFO_C] = recv_numbers[i];
+            info[INFO_D] = 16;
+            status = read_message(fds[i], wake_fd, deadline, recv_numbers[i], received + (l * n + i) * 16, 16, info);
+            if (!status) recv_numbers[i]++;
+        }
+    }
+    if (status) return status;
+    info[INFO_PEER] = -1;
+    return DONE;
+}

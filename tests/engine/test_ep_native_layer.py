@@ -27,6 +27,7 @@ from raymoe.engine.ep_exchange import (
     WorkerExchange,
     _header,
     layer_tag,
+    layer_tags,
 )
 from raymoe.kernels import native_cpu
 from raymoe.kernels.comm import (
@@ -114,8 +115,8 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
     pool = {0: list(range(slots)), 1: staged[:slots]}
     pool_rows = {epoch: (rows, torch.tensor(rows)) for epoch, rows in pool.items()}
     native_routers = native if native_routers is None else native_routers
-    calls = {"worker": 0, "router": 0}
-    originals = native_cpu.worker_layer, native_cpu.router_layer
+    calls = {"worker": 0, "router": 0, "empty": 0}
+    originals = native_cpu.worker_layer, native_cpu.router_layer, native_cpu.router_empty_layers
 
     def counting(side, function):
         def counted(*args, **kwargs):
@@ -169,20 +170,23 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
                 served.append((result.rows, result.assignments))
         return served
 
-    native_cpu.worker_layer, native_cpu.router_layer = counting("worker", originals[0]), counting("router", originals[1])
+    native_cpu.worker_layer, native_cpu.router_layer, native_cpu.router_empty_layers = (
+        counting("worker", originals[0]), counting("router", originals[1]), counting("empty", originals[2]))
     try:
         results = run_threads([lambda i=i: router(i) for i in range(num_routers)]
                               + [lambda p=p: worker(p) for p in range(num_workers)])
     finally:
-        native_cpu.worker_layer, native_cpu.router_layer = originals
+        native_cpu.worker_layer, native_cpu.router_layer, native_cpu.router_empty_layers = originals
         for comm in comms:
             comm.close()
     layers = sum(1 for step in steps if not step.get("idle")) * LAYERS
     assert calls["worker"] == ((layers + len(steps)) * num_workers if native else 0)
-    # (exchange_empty's layers go through the transport's Python path)
     routed = sum(empty_layer(step, r) if empty_at_once else LAYERS
                  for step in steps if not step.get("idle") for r in range(num_routers))
     assert calls["router"] == (routed if native_routers else 0)
+    at_once = sum(empty_at_once and empty_layer(step, r) < LAYERS
+                  for step in steps if not step.get("idle") for r in range(num_routers))
+    assert calls["empty"] == (at_once if native_routers else 0)  # one native call per step end
     return results
 
 
@@ -225,9 +229,10 @@ def test_native_layer_equals_the_python_path_bit_for_bit(routers, workers, nativ
 @pytest.mark.parametrize("native_workers, native_routers", [(True, True), (False, False), (True, False)])
 def test_layers_without_rows_at_once_equal_layer_by_layer(native_workers, native_routers):
     """A router's layers without rows (nothing this step, or the rest of a step that stopped
-    part-way) sent all at once by ``exchange_empty``: the workers read the same messages, so
-    every router's sums are bit for bit those of the layer-by-layer exchange, over native and
-    Python workers, with an idle tick and a staged epoch between."""
+    part-way) sent all at once by ``exchange_empty`` (one native call, or the Python transport):
+    the workers read the same messages, so every router's sums are bit for bit those of the
+    layer-by-layer exchange, over native and Python workers, with an idle tick and a staged
+    epoch between."""
     steps = [{"epoch": 0, "tokens": [3, 0]},  # router 1 idle: all its layers at once
              {"epoch": 0, "tokens": [2, 4], "empty_from": {0: 1}},  # router 0 stops after layer 0
              {"idle": True},
@@ -466,3 +471,58 @@ def test_a_reply_of_the_wrong_size_says_the_ranks_called_collectives_in_differen
 
     error, _ = failing_router(short_reply)
     assert isinstance(error, CommError) and "different orders" in str(error) and "rank 1" in str(error)
+
+
+# ---- failures of a router's layers without rows at once (raymoe_router_empty_layers) -------------
+def failing_empty_router(worker_does, timeout_s: float = 10.0):
+    """The error of ``exchange_empty(range(3))`` when rank 1 runs ``worker_does(comm)``; the time it took."""
+    comms = sockets_group(2, timeout_s)
+    exchange = RouterExchange(comms[0], GroupLayout(1, (0,)), 0, 1, SLOTS, TOP_K, HIDDEN, torch.float32, CPU)
+    assert exchange._native
+    return failure_of(lambda: exchange.exchange_empty(range(3), 0), worker_does, comms, 0)
+
+
+def read_empty_headers(comm, layers: int = 3) -> list[list[int]]:
+    """What a worker reads of the router's layers without rows: one header each."""
+    headers = []
+    for _ in range(layers):
+        header = torch.empty(4 + SLOTS, dtype=torch.int64)
+        comm.transfer([], [(0, header)], tag="header")
+        headers.append(header.tolist())
+    return headers
+
+
+def test_layers_without_rows_send_every_header_before_the_first_reply():
+    """Every layer's header is there before the worker answers any (the point of the call), each
+    with its layer's tag and no rows; the trailers then complete the call."""
+    seen = {}
+
+    def worker(comm):
+        seen["headers"] = read_empty_headers(comm)
+        for layer in range(3):
+            trailer = torch.tensor([0, layer_tags(layer)[3]], dtype=torch.int64)
+            comm.transfer([(0, trailer)], [], tag="trailer")
+
+    comms = sockets_group(2)
+    exchange = RouterExchange(comms[0], GroupLayout(1, (0,)), 0, 1, SLOTS, TOP_K, HIDDEN, torch.float32, CPU)
+    run_threads([lambda: exchange.exchange_empty(range(3), 5), lambda: worker(comms[1])])
+    assert [h[:4] for h in seen["headers"]] == [[0, layer_tags(layer)[1], 5, KIND_STEP] for layer in range(3)]
+    assert all(not any(h[4:]) for h in seen["headers"])
+    assert exchange.read_trailers() == 0.0  # every combine tag checked
+    for comm in comms:
+        comm.close()
+
+
+def test_layers_without_rows_a_silent_worker_times_out_naming_it():
+    error, elapsed = failing_empty_router(read_empty_headers, timeout_s=0.5)
+    assert isinstance(error, CollectiveTimeout) and "rank 1" in str(error) and "layers 0-2" in str(error)
+    assert 0.45 <= elapsed < 5.0
+
+
+def test_layers_without_rows_a_worker_that_dies_is_a_lost_peer():
+    def die(comm):
+        read_empty_headers(comm)
+        comm.abort()
+
+    error, _ = failing_empty_router(die)
+    assert isinstance(error, PeerLostError) and "rank 1" in str(error)
