@@ -136,8 +136,7 @@ class RouterExchange:
         self._whole_group = set(self._rank_of_worker) == set(range(num_workers))  # no worker of the plan missing
         # float32 CPU routers on the sockets transport with the native kernels: a layer's sends
         # and receives in one native call (kernels/csrc/cpu_exchange.c)
-        self._native = (isinstance(comm, SocketCommunicator) and device.type == "cpu" and dtype == torch.float32
-                        and native_cpu.unavailable_reason() is None)
+        self._native = isinstance(comm, SocketCommunicator) and native_cpu.exchange_applies(dtype, device)
         self._worker_ranks = list(self._rank_of_worker.values())
         self._workers_in_rank_order = array.array("q", self._rank_of_worker)
 
@@ -342,8 +341,8 @@ class WorkerExchange:
         self._probe = torch.empty(1, hidden_size, dtype=dtype, device=device)  # the rows' dtype and device
         # float32 CPU workers on the sockets transport with the native kernels: a layer's headers,
         # rows, experts and sums in one native call (kernels/csrc/cpu_exchange.c)
-        self._native = (isinstance(comm, SocketCommunicator) and executor is None and device.type == "cpu"
-                        and native_cpu.plan_applies(self._probe))
+        self._native = (isinstance(comm, SocketCommunicator) and executor is None
+                        and native_cpu.exchange_applies(dtype, device))
         self._routers = layout.router_ranks
 
     def receive_headers(self, layer: int, timeout_s: float | None = None) -> list[list[int]] | None:

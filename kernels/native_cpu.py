@@ -199,6 +199,12 @@ def plan_applies(hidden: torch.Tensor) -> bool:
     return _takes(hidden) and hidden.dim() == 2 and unavailable_reason() is None
 
 
+def exchange_applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the exchange's native layer calls (:func:`router_layer`, :func:`worker_layer`,
+    :func:`router_empty_layers`) take rows of ``dtype`` on ``device``: float32 on the CPU."""
+    return _enabled and device.type == "cpu" and dtype == torch.float32 and unavailable_reason() is None
+
+
 def plan_pack(topk_ids: torch.Tensor, topk_weights: torch.Tensor, kept: torch.Tensor | None, log2phy: torch.Tensor,
               logcnt: torch.Tensor, slots_per_worker: int, num_workers: int, hidden: torch.Tensor):
     """moe/exchange_plan.py's plan of one layer and its rows packed for the wire, in one call

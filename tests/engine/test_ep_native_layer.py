@@ -449,21 +449,6 @@ def read_rows(comm):
     comm.transfer([], [(0, rows)], tag="rows")
 
 
-def test_a_silent_worker_times_out_naming_it():
-    error, elapsed = failing_router(read_rows, timeout_s=0.5)
-    assert isinstance(error, CollectiveTimeout) and "rank 1" in str(error) and "'layer 0 dispatch'" in str(error)
-    assert 0.45 <= elapsed < 5.0
-
-
-def test_a_worker_that_dies_is_a_lost_peer():
-    def die(comm):
-        read_rows(comm)
-        comm.abort()
-
-    error, _ = failing_router(die)
-    assert isinstance(error, PeerLostError) and "rank 1" in str(error)
-
-
 def test_a_reply_of_the_wrong_size_says_the_ranks_called_collectives_in_different_orders():
     def short_reply(comm):
         read_rows(comm)
@@ -513,16 +498,26 @@ def test_layers_without_rows_send_every_header_before_the_first_reply():
         comm.close()
 
 
-def test_layers_without_rows_a_silent_worker_times_out_naming_it():
-    error, elapsed = failing_empty_router(read_empty_headers, timeout_s=0.5)
-    assert isinstance(error, CollectiveTimeout) and "rank 1" in str(error) and "layers 0-2" in str(error)
+# a router's two native calls: (the failing call, what rank 1 reads of it, the tag an error names)
+ROUTER_CALLS = {"one layer": (failing_router, read_rows, "'layer 0 dispatch'"),
+                "layers without rows": (failing_empty_router, read_empty_headers, "'layers 0-2 dispatch (no rows)'")}
+
+
+@pytest.mark.parametrize("call", ROUTER_CALLS)
+def test_a_silent_worker_times_out_naming_it(call):
+    failing, read, tag = ROUTER_CALLS[call]
+    error, elapsed = failing(read, timeout_s=0.5)
+    assert isinstance(error, CollectiveTimeout) and "rank 1" in str(error) and tag in str(error)
     assert 0.45 <= elapsed < 5.0
 
 
-def test_layers_without_rows_a_worker_that_dies_is_a_lost_peer():
+@pytest.mark.parametrize("call", ROUTER_CALLS)
+def test_a_worker_that_dies_is_a_lost_peer(call):
+    failing, read, _ = ROUTER_CALLS[call]
+
     def die(comm):
-        read_empty_headers(comm)
+        read(comm)
         comm.abort()
 
-    error, _ = failing_empty_router(die)
+    error, _ = failing(die)
     assert isinstance(error, PeerLostError) and "rank 1" in str(error)

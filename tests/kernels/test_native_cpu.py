@@ -314,6 +314,16 @@ def test_plan_pack_is_the_host_plan_bit_for_bit_with_its_rows_packed(seed):
     assert not native_cpu.plan_applies(x.to(torch.bfloat16))
 
 
+@needs_kernel
+def test_the_exchange_calls_take_float32_on_the_cpu_only_and_obey_the_switch():
+    cpu = torch.device("cpu")
+    assert native_cpu.exchange_applies(torch.float32, cpu)
+    assert not native_cpu.exchange_applies(torch.bfloat16, cpu)
+    assert not native_cpu.exchange_applies(torch.float32, torch.device("meta"))
+    native_cpu.set_enabled(False)
+    assert not native_cpu.exchange_applies(torch.float32, cpu)
+
+
 # ---- norms and rotary embeddings -----------------------------------------------------------
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 5, 33])
