@@ -332,10 +332,11 @@ def run_raymoe(spec: str, args: argparse.Namespace, checkpoint: str, work: str) 
 def find(rows: list[dict[str, Any]], server: str, concurrency: int, metric: str,
          round_: int | None = None) -> float | None:
     """The metric of ``server`` at ``concurrency`` in round ``round_`` (a reused row matches every
-    round); without a round, the median over the rounds."""
+    round); without a round, the median over the rounds. A run in which requests failed is left
+    out (its tokens/s and latencies describe another workload)."""
     values = [float(row[metric]) for row in rows
               if row["server"] == server and row["concurrency"] == concurrency and row.get(metric) is not None
-              and (round_ is None or row.get("round") in (round_, None))]
+              and not row.get("failed") and (round_ is None or row.get("round") in (round_, None))]
     return statistics.median(values) if values else None
 
 
@@ -367,6 +368,8 @@ def print_table(rows: list[dict[str, Any]], ratio_rows: list[dict[str, Any]]) ->
           f" {'ITL P99 ms':>11} {'TTFT P99 ms':>12} {'E2EL P50 ms':>12}")
     for row in rows:
         note = "  (reused)" if row.get("reused") else ""
+        if row.get("failed"):
+            note += f"  ({row['failed']} failed: left out of the ratios)"
         print(f"{row['server']:<14} {row.get('round', '-'):>5} {row['concurrency']:>3} {row['completed']:>5} {row['output_tok_s']:>13.1f} "
               f"{row['itl_p50_ms']:>11.2f} {row['ttft_p50_ms']:>12.1f} {row['itl_p99_ms']:>11.1f} "
               f"{row['ttft_p99_ms']:>12.1f} {row.get('e2el_p50_ms') or float('nan'):>12.1f}{note}")
