@@ -226,18 +226,20 @@ class RouterExchange:
         trailer is read (one call): the workers find this router's headers waiting instead of
         each layer waiting for its round trip of the layer before (with routers on other cores,
         a cross-core wake-up per layer on every worker's path), as :meth:`exchange` with no
-        plan would, layer by layer. The workers see the same messages in the same order."""
+        plan would, layer by layer. The workers see the same messages in the same order. The wait
+        has the deadline of that many layers (each layer's own, as before, one after the other)."""
         if not layers:
             return
         S, ranks = self.slots_per_worker, self._worker_ranks
         first, last = layers[0], layers[-1]
         tag = layer_tag(first, "dispatch") if first == last else f"layers {first}-{last} dispatch (no rows)"
+        timeout_s = self.comm.timeout_s * len(layers)
         if self._native:  # one native call: no Python wake-up per trailer
             received = torch.empty(len(layers) * len(ranks), TRAILER_BYTES, dtype=torch.uint8)
             checksums = array.array("q", [layer_tags(layer)[1] for layer in layers])
-            self._run_native(tag, "raymoe_router_empty_layers", lambda fds, wake, received_numbers, sent, timeout_s, info: (
-                native_cpu.router_empty_layers(fds, wake, received_numbers, sent, checksums, S, epoch, received,
-                                               timeout_s, info)))
+            self._run_native(tag, "raymoe_router_empty_layers", timeout_s, lambda fds, wake, numbers, sent, info: (
+                native_cpu.router_empty_layers(fds, wake, numbers, sent, checksums, S, epoch, received, timeout_s,
+                                               info)))
             for index, layer in enumerate(layers):
                 for position, rank in enumerate(ranks):
                     self._trailers.append((layer, rank, received[index * len(ranks) + position]))
@@ -256,25 +258,27 @@ class RouterExchange:
                 sends.append((rank, headers[row]))
                 recvs.append((rank, received[row]))
                 self._trailers.append((layer, rank, received[row]))
-        self.comm.transfer(sends, recvs, tag=tag)
+        self.comm.transfer(sends, recvs, tag=tag, timeout_s=timeout_s)
 
     def _native_transfer(self, tag: str, checksum: int, epoch: int, counts: list[int], slot_counts: list[int],
                          packed: torch.Tensor | None, received: torch.Tensor) -> None:
         """The layer's sends and receives in one native call: each worker's header and rows out,
         its sums and trailer into ``received``."""
-        self._run_native(tag, "raymoe_router_layer", lambda fds, wake, received_numbers, sent, timeout_s, info: (
+        timeout_s = self.comm.timeout_s
+        self._run_native(tag, "raymoe_router_layer", timeout_s, lambda fds, wake, numbers, sent, info: (
             native_cpu.router_layer(
-                fds, self._workers_in_rank_order, wake, received_numbers, sent, array.array("q", counts),
+                fds, self._workers_in_rank_order, wake, numbers, sent, array.array("q", counts),
                 array.array("q", slot_counts), self.slots_per_worker, epoch, checksum, packed, self.format.row_bytes,
                 received, self.combine_row_bytes, timeout_s, info)))
 
-    def _run_native(self, tag: str, name: str, routine) -> None:
-        """``routine(fds, wake, received_numbers, sent, timeout_s, info)``, a native call over every
-        worker's socket, under the communicator's issue lock; its failure raised as the Python path's."""
+    def _run_native(self, tag: str, name: str, timeout_s: float, routine) -> None:
+        """``routine(fds, wake, received_numbers, sent, info)``, a native call over every worker's
+        socket with a deadline of ``timeout_s``, under the communicator's issue lock; its failure
+        raised as the Python path's."""
         info = array.array("q", bytes(8 * native_cpu.INFO_FIELDS))
-        ranks, timeout_s = self._worker_ranks, self.comm.timeout_s
-        status = self.comm.run_native(ranks, tag, lambda fds, wake, received_numbers, sent: routine(
-            fds, wake, received_numbers, sent, timeout_s, info))
+        ranks = self._worker_ranks
+        status = self.comm.run_native(ranks, tag, lambda fds, wake, numbers, sent: routine(fds, wake, numbers, sent,
+                                                                                           info))
         if status != native_cpu.LAYER_DONE:
             error = self.comm.native_failure(status, info, ranks, tag, timeout_s)
             raise error if error is not None else ValueError(f"{name} refused its arguments (status {status}): a bug")

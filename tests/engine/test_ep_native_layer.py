@@ -143,8 +143,9 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
                 gates = torch.rand(tokens, TOP_K, generator=generator)
                 if layer >= empty_from:
                     continue  # sent below, with the step's other layers without rows
+                rows = layer < empty_layer(step, index)  # (0 tokens: never)
                 plan = plan_exchange_on_host(ids, gates, None, placement.log2phy[layer], placement.logcnt[layer],
-                                             slots, num_workers) if tokens and layer < empty_layer(step, index) else None
+                                             slots, num_workers) if rows else None
                 out, _ = exchange.exchange(layer, plan, hidden, step["epoch"])
                 outputs.append(out)
             if empty_from < LAYERS:
@@ -498,22 +499,23 @@ def test_layers_without_rows_send_every_header_before_the_first_reply():
         comm.close()
 
 
-# a router's two native calls: (the failing call, what rank 1 reads of it, the tag an error names)
-ROUTER_CALLS = {"one layer": (failing_router, read_rows, "'layer 0 dispatch'"),
-                "layers without rows": (failing_empty_router, read_empty_headers, "'layers 0-2 dispatch (no rows)'")}
+# a router's two native calls: (the failing call, what rank 1 reads of it, the tag an error names,
+# the layers its deadline covers: each layer has the communicator's timeout, as layer by layer)
+ROUTER_CALLS = {"one layer": (failing_router, read_rows, "'layer 0 dispatch'", 1),
+                "layers without rows": (failing_empty_router, read_empty_headers, "'layers 0-2 dispatch (no rows)'", 3)}
 
 
 @pytest.mark.parametrize("call", ROUTER_CALLS)
 def test_a_silent_worker_times_out_naming_it(call):
-    failing, read, tag = ROUTER_CALLS[call]
+    failing, read, tag, layers = ROUTER_CALLS[call]
     error, elapsed = failing(read, timeout_s=0.5)
     assert isinstance(error, CollectiveTimeout) and "rank 1" in str(error) and tag in str(error)
-    assert 0.45 <= elapsed < 5.0
+    assert 0.5 * layers - 0.05 <= elapsed < 0.5 * layers + 4.0
 
 
 @pytest.mark.parametrize("call", ROUTER_CALLS)
 def test_a_worker_that_dies_is_a_lost_peer(call):
-    failing, read, _ = ROUTER_CALLS[call]
+    failing, read, _, _ = ROUTER_CALLS[call]
 
     def die(comm):
         read(comm)
