@@ -1,1 +1,0 @@
-"""Bringing raymoe up: YAML configs, placement groups, the CLI."""

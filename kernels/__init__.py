@@ -1,1 +1,0 @@
-"""Compute and communication primitives: grouped expert MLP, attention, communicators."""
