@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
+import msgspec
 import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from raymoe.actors.front_door import FrontDoor, FrontDoorPolicy, api_key_digests
 from raymoe.actors.router import StepFailure
 from raymoe.actors.serving_metrics import ServingMetrics
 from raymoe.cluster.config import ClusterConfig, parse_cluster_config
@@ -60,6 +62,7 @@ class RouterLost(Exception):
         self.cause = cause
 
 app = FastAPI(title="raymoe", description="OpenAI-compatible MoE serving with expert parallelism on Ray")
+app.add_middleware(FrontDoor)  # keys, content types, docs, CORS, body deadlines (configured per replica)
 
 
 async def _prepend(first: str | None, rest: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -91,14 +94,21 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 @serve.deployment(name="raymoe", num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.01})
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, config: dict[str, Any], admin_token: str | None = None, attach_to: str | None = None):
+    def __init__(self, config: dict[str, Any], admin_token: str | None = None, attach_to: str | None = None,
+                 key_digests: tuple[bytes, ...] = ()):
         """``attach_to``: serve the running deployment of that name (``raymoe serve`` starts it
         first; any number of replicas may share it). None: this replica deploys its own (``serve
-        run`` with :func:`build_app`), so it lives and dies with it, and there is one replica."""
+        run`` with :func:`build_app`), so it lives and dies with it, and there is one replica.
+        ``key_digests``: SHA-256 of each API key (:func:`public_config` keeps keys out of ``config``)."""
         from raymoe.cluster.deploy import attach, deploy, engine_config
 
         self.admin_token = admin_token or None
         self.config: ClusterConfig = parse_cluster_config(config)
+        edge = self.config.serve
+        FrontDoor.configure(FrontDoorPolicy(
+            key_digests=tuple(key_digests), metrics_need_key=edge.metrics_need_key, enable_docs=edge.enable_docs,
+            cors_allow_origins=edge.cors_allow_origins, body_timeout_s=edge.body_timeout_s,
+            body_min_bytes_per_s=edge.body_min_bytes_per_s))
         self.deployment = attach(self.config, attach_to) if attach_to else deploy(self.config, name="raymoe")
         self.owns_deployment = attach_to is None
         model = self.deployment.model_config
@@ -574,13 +584,26 @@ class OpenAIIngress:
                 "created": int(time.time()), "model": self.limits.name, "choices": choices}
 
 
-def ingress_app(config: ClusterConfig, admin_token: str | None, attach_to: str) -> serve.Application:
+def public_config(config: ClusterConfig) -> dict[str, Any]:
+    """The config as replicas receive it: without API keys or the key file's path (they get digests)."""
+    serve_section = msgspec.structs.replace(config.serve, api_keys=(), api_key_file=None)
+    return msgspec.structs.replace(config, serve=serve_section).to_dict()
+
+
+def config_key_digests(config: ClusterConfig, extra_keys: tuple[str, ...] = ()) -> tuple[bytes, ...]:
+    """Digests of the config's API keys, its key file's, ``RAYMOE_API_KEY`` and ``extra_keys``
+    (raises :class:`raymoe.actors.front_door.ApiKeyError` naming a source that cannot be used)."""
+    return api_key_digests((*config.serve.api_keys, *extra_keys), config.serve.api_key_file)
+
+
+def ingress_app(config: ClusterConfig, admin_token: str | None, attach_to: str,
+                key_digests: tuple[bytes, ...] = ()) -> serve.Application:
     """The HTTP ingress of a running deployment: ``serve.replicas`` replicas (or Serve's
     autoscaling, ``serve.autoscaling`` passed through), each attached to it by name."""
     options: dict[str, Any] = {"num_replicas": config.serve.replicas}
     if config.serve.autoscaling is not None:
         options = {"autoscaling_config": dict(config.serve.autoscaling)}
-    return OpenAIIngress.options(**options).bind(config.to_dict(), admin_token, attach_to)
+    return OpenAIIngress.options(**options).bind(public_config(config), admin_token, attach_to, key_digests)
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
@@ -589,4 +612,5 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     ``import_path: raymoe.actors.ingress:build_app`` with the config's fields under ``args``.
     """
     config = parse_cluster_config(dict(args))  # validate here: errors surface before any actor starts
-    return OpenAIIngress.bind(config.to_dict(), os.environ.get("RAYMOE_ADMIN_TOKEN"))
+    return OpenAIIngress.bind(public_config(config), os.environ.get("RAYMOE_ADMIN_TOKEN"), None,
+                              config_key_digests(config))

@@ -169,6 +169,14 @@ class ServeSection(_Section):
     served_model_name: str | None = None  # default: the checkpoint directory's name
     replicas: Positive = 1  # HTTP ingress replicas (Serve); they share one cluster
     autoscaling: dict[str, Any] | None = None  # Serve's autoscaling_config, passed through (replaces replicas)
+    # The edge (actors/front_door.py): keys, content types, docs, CORS, body deadlines.
+    api_keys: tuple[str, ...] = ()  # Bearer keys; set: every route but /health (and /admin/*: its own token) needs one
+    api_key_file: str | None = None  # one key a line, '#' comments (and RAYMOE_API_KEY, and --api-key)
+    metrics_need_key: bool = False  # /metrics behind the API key too
+    enable_docs: bool = False  # /docs, /redoc, /openapi.json (off: 404)
+    cors_allow_origins: tuple[str, ...] = ()  # origins a browser page may call from; none: CORS off
+    body_timeout_s: PositiveFloat = 30.0  # a request body must have arrived by then (else 408)
+    body_min_bytes_per_s: Annotated[float, msgspec.Meta(ge=0)] = 1024.0  # and this fast after 5 s (0: no minimum)
 
 
 class CpuSection(_Section):

@@ -34,6 +34,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--address", default=None,
                         help="Ray cluster to join, HOST:PORT, used as given (default: RAY_ADDRESS, else a Ray of its own; "
                              "'auto' joins the cluster this machine started last)")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="an API key clients must send (Authorization: Bearer KEY); repeatable; also "
+                             "serve.api_keys / serve.api_key_file in the YAML and RAYMOE_API_KEY")
     parser.set_defaults(func=_run)
 
 
@@ -74,6 +77,14 @@ def _run(args: argparse.Namespace) -> int:
     if problem is not None:  # a local server: its port must be free before anything starts
         print(f"raymoe serve: {problem}", file=sys.stderr)
         return 2
+    from raymoe.actors.front_door import ApiKeyError
+    from raymoe.actors.ingress import config_key_digests
+
+    try:
+        key_digests = config_key_digests(config, tuple(args.api_key))
+    except ApiKeyError as error:
+        print(f"raymoe serve: {error}", file=sys.stderr)
+        return 2
     direct = _direct_ingress(config, started_ray)
     import ray
     from ray import serve
@@ -111,7 +122,7 @@ def _run(args: argparse.Namespace) -> int:
         deployment = deploy(config, name=DEPLOYMENT_NAME)
         serve.start(http_options={"host": config.serve.host, "port": proxy_port})
         admin_token = os.environ.get("RAYMOE_ADMIN_TOKEN")
-        serve.run(ingress_app(config, admin_token, DEPLOYMENT_NAME), name="raymoe", route_prefix="/")
+        serve.run(ingress_app(config, admin_token, DEPLOYMENT_NAME, key_digests), name="raymoe", route_prefix="/")
         if not _wait_healthy(url, stop):
             if stop.is_set():
                 print("raymoe serve: interrupted before the endpoint was ready; shutting down", file=sys.stderr)

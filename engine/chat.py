@@ -45,6 +45,8 @@ class ChatPlan:
 def plan_chat(request: ChatCompletionRequest, tokenizer: Tokenizer | None) -> ChatPlan:
     if tokenizer is None:
         raise RequestError("this model has no tokenizer, so chat is unavailable", param="messages")
+    if not request.messages:
+        raise RequestError("messages is empty: send at least one message", param="messages")
     messages = template_messages(request.messages)
     tools = _tools(request)
     choice = request.tool_choice or "auto"

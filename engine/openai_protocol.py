@@ -7,6 +7,7 @@ turned into :class:`~raymoe.engine.sampling_params.SamplingParams`. Every proble
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -214,11 +215,14 @@ def _validation_error(text: str) -> RequestError:
     return RequestError(f"invalid request: {text}", param=where or None)
 
 
+_ASCII_INT = re.compile(r"-?[0-9]+")  # str.isdigit() also takes "²", which int() refuses
+
+
 def logit_bias(request: _Sampling, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """``logit_bias`` as sorted (token id, bias) pairs; keys must be token ids in the vocabulary."""
     pairs = []
     for key, bias in (request.logit_bias or {}).items():
-        if not key.strip().lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+        if not _ASCII_INT.fullmatch(key.strip()) or not 0 <= int(key) < vocab_size:
             raise RequestError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
                                param="logit_bias")
         if not -100.0 <= bias <= 100.0:

@@ -98,6 +98,9 @@ HOSTILE = [
     ("too many stop ids", "/v1/completions", {"prompt": "hi", "stop_token_ids": list(range(300))}, "stop_token_ids"),
     ("logprobs past 20", "/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
     ("JSON nested 10k deep", "/v1/completions", deep_json(10_000), None),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, "messages"),
+    ("logit_bias key not an ASCII integer", "/v1/completions", {"prompt": "hi", "logit_bias": {"\u00b2": 1}},
+     "logit_bias"),
     ("max_completion_tokens 0", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_tokens"),
 ]
