@@ -27,7 +27,7 @@ from raymoe.actors.cpu_affinity import pin_current_thread
 from raymoe.actors.devices import actor_cuda_device
 from raymoe.engine.ep_exchange import GroupLayout, RouterExchange
 from raymoe.engine.host_memory import allocator_in_use
-from raymoe.engine.prompt_logprobs import PromptLogprobs, prompt_logprobs
+from raymoe.engine.prompt_logprobs import PromptLogprobs
 from raymoe.engine.remote_experts import RemoteExperts
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.telemetry import Telemetry
@@ -81,6 +81,8 @@ class TokenDelta:
 @dataclass
 class ScoreJob:
     prompts: list[list[int]]
+    num_top: int | None = None  # alternatives per position (score_prompts); None: every position's logits
+    scoring: Any = None  # the engine's PromptScoring, once started: one forward per group step
     result: Any = None
     error: Exception | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -148,6 +150,7 @@ class Router:
         self._queues: dict[str, tuple[queue.Queue, bool]] = {}
         self._subscribers: dict[str, queue.Queue] = {}
         self._score_jobs: list[ScoreJob] = []
+        self._scored_last = False  # the last group step ran a scoring forward (they alternate with steps)
         self._stopped = False
         self._thread: threading.Thread | None = None
         self.supervisor: Any = None  # the controller: rebuilds the group when a peer fails
@@ -267,27 +270,42 @@ class Router:
                 self._deliver([self._delta(output) for output in outputs])
 
     def _group_step(self, has_work: bool) -> list[RequestOutput]:
-        """This router's share of one group step (engine lock held): a scoring job, an engine
-        step, or nothing; then zero rows for the MoE layers it did not reach."""
+        """This router's share of one group step (engine lock held): one forward of the oldest
+        scoring job (at most the token budget: engine.PromptScoring), an engine step, or nothing;
+        then zero rows for the MoE layers it did not reach. While requests are in flight,
+        scoring forwards and engine steps take turns."""
         self.experts.begin_step()
         outputs: list[RequestOutput] = []
         error: Exception | None = None
-        job = self._score_jobs.pop(0) if self._score_jobs else None
+        job = None
+        if self._score_jobs and (not self._scored_last or not self.engine.has_unfinished()):
+            job = self._score_jobs[0]
+        finished = False
         try:
             if job is not None:
-                job.result = self.engine.score(job.prompts)
+                if job.scoring is None:
+                    job.scoring = self.engine.start_scoring(job.prompts, job.num_top)
+                if not job.scoring.done:  # (no prompts: done at once)
+                    job.scoring.step()
+                if job.scoring.done:
+                    job.scoring.close()
+                    job.result = (job.scoring.logits() if job.num_top is None
+                                  else job.scoring.prompt_logprobs())
+                    finished = True
             elif has_work:
                 outputs = self.engine.step()
         except RECOVERABLE:
-            if job is not None:
-                self._score_jobs.insert(0, job)  # run again after recovery
-            raise
+            raise  # a scoring job keeps its place and its state: its forward runs again after recovery
         except Exception as caught:  # fails the requests, but the group must still see this step
             error = caught
             if job is not None:
-                job.error = caught
+                job.error, finished = caught, True
+                if job.scoring is not None:
+                    job.scoring.close()
+        self._scored_last = job is not None
         self.experts.complete_step()
-        if job is not None:
+        if finished:
+            self._score_jobs.remove(job)
             job.done.set()
         if error is not None and job is None:
             raise error
@@ -431,9 +449,11 @@ class Router:
     def _forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
-    def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
-        """Logits at every prompt position, computed as one of the group's steps."""
-        job = ScoreJob(prompts)
+    def score(self, prompts: list[list[int]], num_top: int | None = None) -> list[torch.Tensor] | list[PromptLogprobs]:
+        """Logits at every prompt position (``num_top=None``; tests, debugging), else each
+        prompt's logprobs (:meth:`score_prompts`): computed over the group's steps, one forward
+        of at most the token budget per step."""
+        job = ScoreJob(prompts, num_top)
         with self._wake:
             self._score_jobs.append(job)
             self._wake.notify()
@@ -445,8 +465,9 @@ class Router:
 
     def score_prompts(self, prompts: list[list[int]], num_top: int) -> list[PromptLogprobs]:
         """Each prompt's token logprobs with ``num_top`` alternatives per position (echo,
-        prompt_logprobs): reduced here, so ``L * (num_top + 1)`` numbers travel, not ``L * V``."""
-        return [prompt_logprobs(logits, prompt, num_top) for logits, prompt in zip(self.score(prompts), prompts)]
+        prompt_logprobs): reduced here as each forward's logits are computed (never a prompt's
+        ``[L, V]``), so ``L * (num_top + 1)`` numbers travel, not ``L * V``."""
+        return self.score(prompts, num_top)
 
     def num_unfinished(self) -> int:
         return len(self._queues)

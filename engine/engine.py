@@ -27,6 +27,7 @@ from raymoe.engine.kv_cache import KVCache
 from raymoe.engine.model import MoEModel
 from raymoe.engine.prefill_pacer import PrefillPacer
 from raymoe.engine.prefix_cache import PrefixCache, PrefixCacheStats, root_key
+from raymoe.engine.prompt_logprobs import PromptLogprobs, reduce_rows
 from raymoe.engine.sampler import sample
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -363,40 +364,180 @@ class LLMEngine:
         return [final[i] for i in ids]
 
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
-        """Logits at every position of each prompt, ``[len, V]`` float32: one prefill batch
-        per group of prompts the KV cache holds at once.
+        """Logits at every position of each prompt, ``[len, V]`` float32 on the host (tests,
+        debugging: the result itself is ``len * V`` floats a prompt; echo and prompt logprobs
+        take :meth:`score_prompts`, which never holds them). Computed as :meth:`score_prompts` is."""
+        scoring = self.start_scoring(prompts, None)
+        try:
+            while not scoring.done:
+                scoring.step()
+        finally:
+            scoring.close()
+        return scoring.logits()
 
-        Runs beside in-flight requests: its blocks are returned at once. When the cache lacks
-        room, the newest in-flight sequences are preempted (recomputed later, as in a step).
-        """
-        sequences = [Sequence(f"score-{i}", list(p), SamplingParams(), None, -1) for i, p in enumerate(prompts)]
-        for sequence in sequences:
-            self.validate_prompt(sequence.prompt_ids, SamplingParams(max_tokens=1))
-        logits: list[torch.Tensor] = []
-        for group in self._score_groups(sequences):
-            self.scheduler.free_blocks(sum(self.blocks.blocks_needed(s.num_tokens) for s in group))
-            try:
-                for sequence in group:
-                    self.blocks.grow(sequence.block_table, sequence.num_tokens)
-                hidden = self._run(group, [s.num_tokens for s in group])
-                logits.extend(self.model.logits(hidden).cpu().split([s.num_tokens for s in group]))
-            finally:
-                for sequence in group:
-                    self.blocks.free(sequence.block_table)
-        return logits
+    def score_prompts(self, prompts: list[list[int]], num_top: int) -> list[PromptLogprobs]:
+        """Each prompt's token logprobs, ranks and ``num_top`` alternatives per position (echo,
+        prompt_logprobs), within the token budget: see :class:`PromptScoring`."""
+        scoring = self.start_scoring(prompts, num_top)
+        try:
+            while not scoring.done:
+                scoring.step()
+        finally:
+            scoring.close()
+        return scoring.prompt_logprobs()
 
-    def _score_groups(self, sequences: list[Sequence]) -> list[list[Sequence]]:
-        """Consecutive groups whose blocks fit in the KV cache together."""
-        groups: list[list[Sequence]] = [[]]
-        used = 0
+    def start_scoring(self, prompts: list[list[int]], num_top: int | None) -> "PromptScoring":
+        """A scoring of ``prompts`` to advance one forward at a time (:meth:`PromptScoring.step`;
+        a router runs one per group step). ``num_top=None``: keep every position's logits."""
+        return PromptScoring(self, prompts, num_top)
+
+
+class PromptScoring:
+    """Scores prompts (echo, prompt logprobs) within the engine's token budget.
+
+    Legend: B the token budget (``max_num_batched_tokens``), V vocabulary, N alternatives.
+
+    The prompts' tokens, in order, run as forwards of at most B tokens each (a prompt longer
+    than B is spread over several, its earlier tokens' keys and values in the KV cache, as in
+    chunked prefill). After each forward the positions that predict a next prompt token go
+    through the vocabulary projection and a float32 log_softmax together, ``[<= B, V]``, and only
+    the next token's logprob, its rank and the top N (token, logprob) are kept: no more than
+    ``[B, V]`` logits ever exist, whatever the prompts. A prompt holds KV blocks from its first
+    forward to its last (at most one prompt is part-way between forwards); the blocks a forward
+    needs are freed by preempting the newest in-flight sequences, as a step does.
+
+    Runs beside in-flight requests, between steps. A step that raises leaves the scoring as it
+    was before it (the prompts keep their blocks): call :meth:`step` again to retry it (a
+    router does, after recovering its group), or :meth:`close` to give the blocks back.
+    """
+
+    def __init__(self, engine: LLMEngine, prompts: list[list[int]], num_top: int | None):
+        self.engine = engine
+        self.num_top = num_top
+        self.sequences = [Sequence(f"score-{i}", list(p), SamplingParams(), None, -1) for i, p in enumerate(prompts)]
+        for sequence in self.sequences:
+            engine.validate_prompt(sequence.prompt_ids, SamplingParams(max_tokens=1))
+        self._next = 0  # the first prompt not yet computed to its end
+        # Per prompt: with num_top, its positions' (logprob, rank, top) so far; else its logits [L, V].
+        self._chosen: list[list[float | None]] = [[None] for _ in self.sequences]
+        self._ranks: list[list[int | None]] = [[None] for _ in self.sequences]
+        self._tops: list[list[list[tuple[int, float]] | None]] = [[None] for _ in self.sequences]
+        self._logits: list[torch.Tensor | None] = [None] * len(self.sequences)
+        self.num_forwards = 0
+
+    @property
+    def done(self) -> bool:
+        return self._next == len(self.sequences)
+
+    def step(self) -> None:
+        """Run the next forward (at most the token budget) and reduce its positions."""
+        engine, blocks = self.engine, self.engine.blocks
+        pieces = self._next_pieces()  # (prompt index, tokens), in prompt order
+        sequences = [self.sequences[index] for index, _ in pieces]
+        counts = [count for _, count in pieces]
+        starts = [s.num_computed for s in sequences]
+        engine.scheduler.free_blocks(sum(blocks.blocks_needed(s.num_computed + count) - len(s.block_table)
+                                         for s, count in zip(sequences, counts)))
+        try:
+            for sequence, count in zip(sequences, counts):
+                blocks.grow(sequence.block_table, sequence.num_computed + count)
+            hidden = engine._run(sequences, counts)  # [C, D], C <= the token budget
+            if self.num_top is None:
+                self._keep_logits(hidden, pieces, starts)
+            else:
+                kept = self._reduce(hidden, sequences, counts, starts)
+                for (index, _), (chosen, ranks, tops) in zip(pieces, kept):
+                    self._chosen[index] += chosen
+                    self._ranks[index] += ranks
+                    self._tops[index] += tops
+        except BaseException:
+            for sequence, start in zip(sequences, starts):  # as before this step: it may run again
+                sequence.num_computed = start
+            raise
         for sequence in sequences:
-            needed = self.blocks.blocks_needed(sequence.num_tokens)
-            if groups[-1] and used + needed > self.blocks.num_blocks:
-                groups.append([])
-                used = 0
-            groups[-1].append(sequence)
-            used += needed
-        return groups
+            if sequence.num_computed == sequence.num_tokens:
+                blocks.free(sequence.block_table)
+        while not self.done and self.sequences[self._next].num_computed == self.sequences[self._next].num_tokens:
+            self._next += 1
+        self.num_forwards += 1
+
+    def close(self) -> None:
+        """Give back every block this scoring holds (at the end, or to abandon it)."""
+        for sequence in self.sequences:
+            if sequence.block_table:
+                self.engine.blocks.free(sequence.block_table)
+
+    def prompt_logprobs(self) -> list[PromptLogprobs]:
+        if not self.done or self.num_top is None:
+            raise RuntimeError("prompt_logprobs(): the scoring is not done, or keeps logits")
+        return [PromptLogprobs(*lists) for lists in zip(self._chosen, self._ranks, self._tops)]
+
+    def logits(self) -> list[torch.Tensor]:
+        if not self.done or self.num_top is not None:
+            raise RuntimeError("logits(): the scoring is not done, or keeps logprobs")
+        return list(self._logits)
+
+    def _next_pieces(self) -> list[tuple[int, int]]:
+        """The next forward's (prompt index, tokens) pieces, in prompt order: at most the token
+        budget in all, and no more KV blocks than the cache has (only the first piece's prompt
+        may hold blocks already: it was cut short by the previous forward)."""
+        blocks = self.engine.blocks
+        budget, room = self.engine.scheduler.token_budget, blocks.num_blocks
+        pieces: list[tuple[int, int]] = []
+        for index in range(self._next, len(self.sequences)):
+            sequence = self.sequences[index]
+            count = min(sequence.num_tokens - sequence.num_computed, budget,
+                        room * blocks.block_size - sequence.num_computed)  # room: blocks it may hold in all
+            if count <= 0:
+                break
+            pieces.append((index, count))
+            budget -= count
+            room -= blocks.blocks_needed(sequence.num_computed + count)
+            if budget == 0 or count < sequence.num_tokens - sequence.num_computed:
+                break
+        if not pieces:  # validate_prompt: one prompt alone always fits
+            raise RuntimeError("scoring found no room for its next prompt")
+        return pieces
+
+    def _reduce(self, hidden: torch.Tensor, sequences: list[Sequence], counts: list[int], starts: list[int]
+                ) -> list[tuple[list, list, list]]:
+        """Positions that predict a next prompt token -> (logprob, rank, top N) each, per piece."""
+        rows: list[int] = []
+        targets: list[int] = []
+        spans: list[int] = []  # each piece's positions that predict a token, in row order
+        offset = 0
+        for sequence, count, start in zip(sequences, counts, starts):
+            stop = max(min(start + count, sequence.num_tokens - 1), start)  # the last position predicts nothing
+            rows.extend(range(offset, offset + stop - start))
+            targets.extend(sequence.prompt_ids[start + 1:stop + 1])
+            spans.append(stop - start)
+            offset += count
+        chosen: list[float] = []
+        ranks: list[int] = []
+        tops: list[list[tuple[int, float]]] = []
+        if rows:
+            device = hidden.device
+            index = torch.tensor(rows, dtype=torch.int64, device=device)
+            with torch.inference_mode():
+                logits = self.engine.model.logits(hidden.index_select(0, index))  # [<= B, V] float32
+                chosen, ranks, tops = reduce_rows(logits, torch.tensor(targets, dtype=torch.int64, device=device),
+                                                  self.num_top)
+        kept, at = [], 0
+        for count in spans:
+            kept.append((chosen[at:at + count], ranks[at:at + count], tops[at:at + count]))
+            at += count
+        return kept
+
+    def _keep_logits(self, hidden: torch.Tensor, pieces: list[tuple[int, int]], starts: list[int]) -> None:
+        """Copy the forward's logits into each prompt's ``[L, V]`` (on the host)."""
+        with torch.inference_mode():
+            logits = self.engine.model.logits(hidden).cpu()  # [C, V] float32
+        offset = 0
+        for (index, count), start in zip(pieces, starts):
+            if self._logits[index] is None:
+                self._logits[index] = torch.empty(self.sequences[index].num_tokens, logits.shape[1])
+            self._logits[index][start:start + count] = logits[offset:offset + count]
+            offset += count
 
 
 def _grammar_compiler(model_dir: str, config: ModelConfig) -> GrammarCompiler | None:

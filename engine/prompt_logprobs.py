@@ -5,7 +5,9 @@ Legend: L prompt tokens, V vocabulary, N alternatives asked for.
 Position ``i`` of a prompt is scored by the logits at position ``i - 1`` (what the model
 predicted before it saw token ``i``); the first token has no prediction, so its entry is
 None, as in OpenAI's and vLLM's echo. Reduced where the logits are (a router, the
-in-process engine), so that only ``L * (N + 1)`` numbers travel, not ``L * V``.
+in-process engine), so that only ``L * (N + 1)`` numbers travel, not ``L * V``. The engine
+never holds a prompt's ``[L, V]`` logits for this: it reduces each chunk of at most its token
+budget's positions as it computes them (``LLMEngine.score_prompts``, :func:`reduce_rows`).
 """
 
 from __future__ import annotations
@@ -30,17 +32,38 @@ class PromptLogprobs:
 
 
 def prompt_logprobs(logits: torch.Tensor, prompt: list[int], num_top: int) -> PromptLogprobs:
-    """``logits: [L, V]`` of ``prompt`` (L tokens) -> its tokens' logprobs, ranks and top ``num_top``."""
+    """``logits: [L, V]`` of ``prompt`` (L tokens) -> its tokens' logprobs, ranks and top ``num_top``.
+
+    For logits that exist already; the engine scores without them (``LLMEngine.score_prompts``:
+    :func:`reduce_rows` over one chunk of positions at a time)."""
     if logits.shape[0] != len(prompt):
         raise ValueError(f"{logits.shape[0]} rows of logits for a prompt of {len(prompt)} tokens")
     if len(prompt) < 2:
         return PromptLogprobs([None] * len(prompt), [None] * len(prompt), [None] * len(prompt))
-    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)  # [L-1, V]: row i predicts token i+1
-    targets = torch.tensor(prompt[1:], dtype=torch.int64).unsqueeze(1)  # [L-1, 1]
-    chosen = logprobs.gather(1, targets)  # [L-1, 1]
-    ranks = (logprobs > chosen).sum(dim=1) + 1  # [L-1]
-    tops: list[list[tuple[int, float]] | None] = [[] for _ in prompt[1:]]
+    targets = torch.tensor(prompt[1:], dtype=torch.int64, device=logits.device)  # row i predicts token i+1
+    chosen, ranks, tops = [], [], []
+    for start in range(0, len(prompt) - 1, ROWS_PER_BLOCK):  # one [rows, V] log_softmax at a time
+        stop = min(start + ROWS_PER_BLOCK, len(prompt) - 1)
+        c, r, t = reduce_rows(logits[start:stop], targets[start:stop], num_top)
+        chosen += c
+        ranks += r
+        tops += t
+    return PromptLogprobs([None, *chosen], [None, *ranks], [None, *tops])
+
+
+ROWS_PER_BLOCK = 512  # prompt_logprobs' rows per log_softmax (each row's result is the same either way)
+
+
+def reduce_rows(logits: torch.Tensor, targets: torch.Tensor, num_top: int
+                ) -> tuple[list[float], list[int], list[list[tuple[int, float]]]]:
+    """``logits: [R, V]`` of R positions, ``targets: [R]`` the token that came next at each ->
+    per row the target's logprob, its rank (1 = the most likely) and the ``num_top`` most likely
+    (token, logprob), best first: float32 log_softmax per row, only these numbers leave the device."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    chosen = logprobs.gather(1, targets.view(-1, 1))  # [R, 1]
+    ranks = (logprobs > chosen).sum(dim=1) + 1  # [R]
+    tops: list[list[tuple[int, float]]] = [[] for _ in range(logits.shape[0])]
     if num_top > 0:
-        values, ids = torch.topk(logprobs, min(num_top, logprobs.shape[1]), dim=-1)  # [L-1, N]
+        values, ids = torch.topk(logprobs, min(num_top, logprobs.shape[1]), dim=-1)  # [R, N]
         tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    return PromptLogprobs([None, *chosen.squeeze(1).tolist()], [None, *ranks.tolist()], [None, *tops])
+    return chosen.squeeze(1).tolist(), ranks.tolist(), tops
