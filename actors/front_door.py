@@ -16,6 +16,12 @@ it must arrive, and what a client that leaves costs.
 - **Body deadline**: a body must arrive within ``serve.body_timeout_s`` in all, and after the
   first ``BODY_GRACE_S`` at ``serve.body_min_bytes_per_s`` or faster on average; otherwise
   408 (a Content-Length that lies, a client that trickles).
+- **Admission before exhaustion**: at most ``serve.max_open_requests`` requests in the replica
+  at once (503 beyond) and ``serve.max_requests_per_client`` from one client address (429
+  beyond), both with ``Retry-After``; the deployment's own slot count (Serve's
+  ``max_ongoing_requests``) lies above the first by :data:`PROBE_HEADROOM`, so ``/health``
+  and ``/metrics``, which neither cap counts, still answer when every slot a client may take
+  is busy (with half-sent bodies, say).
 - **Quiet disconnects**: a client that leaves mid-body costs one log line (Serve's access
   line, status 499), no traceback.
 """
@@ -40,6 +46,9 @@ BODY_GRACE_S = 5.0  # the minimum rate applies after this long (a slow start is 
 JSON_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 DOCS_ROUTES = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 OPEN_ROUTES = frozenset({"/health"})
+UNCOUNTED_ROUTES = frozenset({"/health", "/metrics"})  # probes: never refused for load
+PROBE_HEADROOM = 64  # Serve slots beyond serve.max_open_requests, for the probes
+RETRY_AFTER_S = 1
 API_KEY_ENV = "RAYMOE_API_KEY"
 
 Scope = dict[str, Any]
@@ -60,6 +69,8 @@ class FrontDoorPolicy:
     cors_allow_origins: tuple[str, ...] = ()
     body_timeout_s: float = 30.0
     body_min_bytes_per_s: float = 1024.0
+    max_open_requests: int = 4096
+    max_requests_per_client: int = 256
 
     @property
     def needs_key(self) -> bool:
@@ -115,6 +126,8 @@ class FrontDoor:
     before the first request; the default policy needs no key and serves no docs)."""
 
     policy = FrontDoorPolicy()
+    open_requests = 0  # counted requests in this replica now
+    per_client: dict[str, int] = {}  # client address -> its counted requests now
 
     @classmethod
     def configure(cls, policy: FrontDoorPolicy) -> None:
@@ -141,6 +154,16 @@ class FrontDoor:
             status, body, extra = refusal
             await self._answer(send, status, body, extra, allowed_origin)
             return
+        counted = path not in UNCOUNTED_ROUTES
+        address = (scope.get("client") or ("unknown",))[0]
+        if counted:
+            refusal = self._admission(policy, address)
+            if refusal is not None:
+                status, body, extra = refusal
+                await self._answer(send, status, body, extra, allowed_origin)
+                return
+            FrontDoor.open_requests += 1
+            FrontDoor.per_client[address] = FrontDoor.per_client.get(address, 0) + 1
         started = False
 
         async def sending(message: Message) -> None:
@@ -162,6 +185,26 @@ class FrontDoor:
                                                      "request_timeout"), [(b"connection", b"close")], allowed_origin)
         except ClientDisconnect:  # Serve's access log has its one line (status 499): no traceback beside it
             LOG.debug("%s %s from %s: the client left before its body arrived", method, path, _client(scope))
+        finally:
+            if counted:
+                FrontDoor.open_requests -= 1
+                left = FrontDoor.per_client[address] - 1
+                if left:
+                    FrontDoor.per_client[address] = left
+                else:
+                    del FrontDoor.per_client[address]
+
+    @classmethod
+    def _admission(cls, policy: FrontDoorPolicy, address: str) -> tuple[int, bytes, list[tuple[bytes, bytes]]] | None:
+        retry = [(b"retry-after", str(RETRY_AFTER_S).encode())]
+        if cls.per_client.get(address, 0) >= policy.max_requests_per_client:
+            return 429, _error(429, f"too many requests at once from {address} (serve.max_requests_per_client is "
+                                    f"{policy.max_requests_per_client}); retry shortly", "rate_limit_error",
+                               "too_many_requests"), retry
+        if cls.open_requests >= policy.max_open_requests:
+            return 503, _error(503, f"the server holds serve.max_open_requests ({policy.max_open_requests}) requests; "
+                                    f"retry shortly", "server_error", "overloaded"), retry
+        return None
 
     @staticmethod
     def _refusal(policy: FrontDoorPolicy, path: str, method: str,

@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from raymoe.actors.front_door import FrontDoor, FrontDoorPolicy, api_key_digests
+from raymoe.actors.front_door import PROBE_HEADROOM, FrontDoor, FrontDoorPolicy, api_key_digests
 from raymoe.actors.router import StepFailure
 from raymoe.actors.serving_metrics import ServingMetrics
 from raymoe.cluster.config import ClusterConfig, parse_cluster_config
@@ -91,7 +91,7 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     return error_response(RequestError(f"invalid request: {exc.errors()}"[:1000]))
 
 
-@serve.deployment(name="raymoe", num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.01})
+@serve.deployment(name="raymoe", num_replicas=1, max_ongoing_requests=4096 + PROBE_HEADROOM, ray_actor_options={"num_cpus": 0.01})
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, config: dict[str, Any], admin_token: str | None = None, attach_to: str | None = None,
@@ -108,7 +108,8 @@ class OpenAIIngress:
         FrontDoor.configure(FrontDoorPolicy(
             key_digests=tuple(key_digests), metrics_need_key=edge.metrics_need_key, enable_docs=edge.enable_docs,
             cors_allow_origins=edge.cors_allow_origins, body_timeout_s=edge.body_timeout_s,
-            body_min_bytes_per_s=edge.body_min_bytes_per_s))
+            body_min_bytes_per_s=edge.body_min_bytes_per_s, max_open_requests=edge.max_open_requests,
+            max_requests_per_client=edge.max_requests_per_client))
         self.deployment = attach(self.config, attach_to) if attach_to else deploy(self.config, name="raymoe")
         self.owns_deployment = attach_to is None
         model = self.deployment.model_config
@@ -584,6 +585,12 @@ class OpenAIIngress:
                 "created": int(time.time()), "model": self.limits.name, "choices": choices}
 
 
+def serve_slots(config: ClusterConfig) -> int:
+    """Serve's ``max_ongoing_requests`` for a replica: above the front door's own cap, so the
+    probes it never refuses (/health, /metrics) find a slot when the cap is reached."""
+    return config.serve.max_open_requests + PROBE_HEADROOM
+
+
 def public_config(config: ClusterConfig) -> dict[str, Any]:
     """The config as replicas receive it: without API keys or the key file's path (they get digests)."""
     serve_section = msgspec.structs.replace(config.serve, api_keys=(), api_key_file=None)
@@ -603,6 +610,7 @@ def ingress_app(config: ClusterConfig, admin_token: str | None, attach_to: str,
     options: dict[str, Any] = {"num_replicas": config.serve.replicas}
     if config.serve.autoscaling is not None:
         options = {"autoscaling_config": dict(config.serve.autoscaling)}
+    options["max_ongoing_requests"] = serve_slots(config)
     return OpenAIIngress.options(**options).bind(public_config(config), admin_token, attach_to, key_digests)
 
 
@@ -612,5 +620,6 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     ``import_path: raymoe.actors.ingress:build_app`` with the config's fields under ``args``.
     """
     config = parse_cluster_config(dict(args))  # validate here: errors surface before any actor starts
-    return OpenAIIngress.bind(public_config(config), os.environ.get("RAYMOE_ADMIN_TOKEN"), None,
+    return OpenAIIngress.options(max_ongoing_requests=serve_slots(config)).bind(
+        public_config(config), os.environ.get("RAYMOE_ADMIN_TOKEN"), None,
                               config_key_digests(config))

@@ -120,7 +120,10 @@ def _run(args: argparse.Namespace) -> int:
         # The cluster first (routers, workers, controller: named actors this process owns, so
         # they go when it goes), then the stateless HTTP replicas that attach to it by name.
         deployment = deploy(config, name=DEPLOYMENT_NAME)
-        serve.start(http_options={"host": config.serve.host, "port": proxy_port})
+        http_options = {"host": config.serve.host, "port": proxy_port}
+        if config.serve.keep_alive_timeout_s is not None:
+            http_options["keep_alive_timeout_s"] = config.serve.keep_alive_timeout_s
+        serve.start(http_options=http_options)
         admin_token = os.environ.get("RAYMOE_ADMIN_TOKEN")
         serve.run(ingress_app(config, admin_token, DEPLOYMENT_NAME, key_digests), name="raymoe", route_prefix="/")
         if not _wait_healthy(url, stop):
