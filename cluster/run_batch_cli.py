@@ -9,7 +9,6 @@ import sys
 
 from raymoe.engine.completions import ModelLimits
 from raymoe.engine.engine import EngineConfig, LLMEngine
-from raymoe.engine.prompt_logprobs import prompt_logprobs
 from raymoe.engine.run_batch import read_batch, run_batch
 from raymoe.engine.tokenizer import Tokenizer
 
@@ -29,7 +28,7 @@ class InProcessBatchEngine:
                     on_finish(output)
 
     def score_prompts(self, prompts, num_top):
-        return [prompt_logprobs(logits, prompt, num_top) for logits, prompt in zip(self.engine.score(prompts), prompts)]
+        return self.engine.score_prompts(prompts, num_top)  # within the token budget, never [L, vocab]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
