@@ -56,21 +56,28 @@ def plan_chat(request: ChatCompletionRequest, tokenizer: Tokenizer | None) -> Ch
         raise RequestError(f"tool_choice {_choice_text(choice)} needs tools", param="tool_choice")
     parser = structured = None
     if choice != "none":
-        parser = detect_format(tokenizer.chat_template)
-        if parser is None:
-            raise RequestError("this model's chat template has no tool-call format (raymoe reads Hermes/Qwen "
-                               "<tool_call> and Mistral [TOOL_CALLS] templates): send the request without tools",
-                               param="tools")
+        template_format = detect_format(tokenizer.chat_template)
+        # required and named calls are constrained JSON (as vLLM serves them), so they need no
+        # format of the template's; its parser only makes the ids it reads back (Mistral: 9
+        # alphanumerics), the default ``call_...``.
+        ids_from = template_format or ToolCallParser()
         if choice == "required":
             structured = _schema(required_schema(tools, request.parallel_tool_calls), "tools")
-            parser = RequiredParser(parser)
+            parser = RequiredParser(ids_from)
         elif isinstance(choice, NamedToolChoice):
             index = next((i for i, t in enumerate(tools) if t["function"]["name"] == choice.function.name), None)
             if index is None:
                 raise RequestError(f"tool_choice names {choice.function.name!r}, which is not among the tools",
                                    param="tool_choice")
             structured = _schema(function_parameters(tools[index]), f"tools[{index}].function.parameters")
-            parser = NamedParser(choice.function.name, parser)
+            parser = NamedParser(choice.function.name, ids_from)
+        elif template_format is None:  # auto: the model writes calls in its template's format
+            raise RequestError("this model's chat template has no tool-call format (raymoe reads Hermes/Qwen "
+                               "<tool_call> and Mistral [TOOL_CALLS] templates), so tool_choice \"auto\" cannot "
+                               "read calls: send tool_choice \"required\" or a named function (held to the tools' "
+                               "schemas), or the request without tools", param="tools")
+        else:
+            parser = template_format
     response_structured = _response_format(request)
     if response_structured is not None and structured is not None:
         raise RequestError(f"response_format {request.response_format.type} cannot be combined with tool_choice "
