@@ -31,6 +31,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from raymoe.actors.front_door import PROBE_HEADROOM, FrontDoor, FrontDoorPolicy, api_key_digests
+from raymoe.actors.listen_reuse import reuse_address_for_direct_ingress
 from raymoe.actors.router import StepFailure
 from raymoe.actors.serving_metrics import ServingMetrics
 from raymoe.cluster.config import ClusterConfig, parse_cluster_config
@@ -102,6 +103,7 @@ class OpenAIIngress:
         ``key_digests``: SHA-256 of each API key (:func:`public_config` keeps keys out of ``config``)."""
         from raymoe.cluster.deploy import attach, deploy, engine_config
 
+        reuse_address_for_direct_ingress()  # before Serve binds this replica's port (a restart after a stop)
         self.admin_token = admin_token or None
         self.config: ClusterConfig = parse_cluster_config(config)
         edge = self.config.serve
@@ -169,12 +171,17 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        actors = [*self.deployment.routers, *self.deployment.workers]
-        try:
-            await asyncio.wait_for(asyncio.gather(*[a.info.remote() for a in actors]), HEALTH_TIMEOUT_S)
-        except Exception as error:  # any actor that does not answer makes the service unhealthy
-            return JSONResponse({"status": "unhealthy", "reason": f"{type(error).__name__}: {error}"[:500]},
-                                status_code=503)
+        actors = {**{f"router {i}": a for i, a in enumerate(self.deployment.routers)},
+                  **{f"worker {i}": a for i, a in enumerate(self.deployment.workers)}}
+        answers = await asyncio.gather(*[asyncio.wait_for(a.info.remote(), HEALTH_TIMEOUT_S) for a in actors.values()],
+                                       return_exceptions=True)
+        # Any actor that does not answer makes the service unhealthy; the reason names each one
+        # and why (a frozen actor's TimeoutError has no text of its own).
+        failed = [f"{name}: " + (f"no answer within {HEALTH_TIMEOUT_S:g} s" if isinstance(answer, asyncio.TimeoutError)
+                                 else f"{type(answer).__name__}: {(str(answer).strip() or 'no detail').splitlines()[0]}")
+                  for name, answer in zip(actors, answers) if isinstance(answer, BaseException)]
+        if failed:
+            return JSONResponse({"status": "unhealthy", "reason": "; ".join(failed)[:500]}, status_code=503)
         return JSONResponse({"status": "ok", "routers": len(self.deployment.routers),
                              "expert_workers": len(self.deployment.workers)},
                             headers={REPLICA_HEADER: self.replica, f"{REPLICA_HEADER}-pid": str(os.getpid())})
