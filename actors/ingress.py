@@ -31,7 +31,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from raymoe.actors.front_door import PROBE_HEADROOM, FrontDoor, FrontDoorPolicy, api_key_digests
-from raymoe.actors.listen_reuse import reuse_address_for_direct_ingress
+from raymoe.actors.http_listener import harden_direct_ingress
 from raymoe.actors.router import StepFailure
 from raymoe.actors.serving_metrics import ServingMetrics
 from raymoe.cluster.config import ClusterConfig, parse_cluster_config
@@ -103,10 +103,10 @@ class OpenAIIngress:
         ``key_digests``: SHA-256 of each API key (:func:`public_config` keeps keys out of ``config``)."""
         from raymoe.cluster.deploy import attach, deploy, engine_config
 
-        reuse_address_for_direct_ingress()  # before Serve binds this replica's port (a restart after a stop)
         self.admin_token = admin_token or None
         self.config: ClusterConfig = parse_cluster_config(config)
         edge = self.config.serve
+        harden_direct_ingress(edge.header_timeout_s)  # before Serve starts this replica's listener
         FrontDoor.configure(FrontDoorPolicy(
             key_digests=tuple(key_digests), metrics_need_key=edge.metrics_need_key, enable_docs=edge.enable_docs,
             cors_allow_origins=edge.cors_allow_origins, body_timeout_s=edge.body_timeout_s,

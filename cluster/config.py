@@ -175,6 +175,7 @@ class ServeSection(_Section):
     metrics_need_key: bool = False  # /metrics behind the API key too
     enable_docs: bool = False  # /docs, /redoc, /openapi.json (off: 404)
     cors_allow_origins: tuple[str, ...] = ()  # origins a browser page may call from; none: CORS off
+    header_timeout_s: PositiveFloat = 10.0  # a request's headers must have arrived by then (else 408, closed)
     body_timeout_s: PositiveFloat = 30.0  # a request body must have arrived by then (else 408)
     body_min_bytes_per_s: Annotated[float, msgspec.Meta(ge=0)] = 1024.0  # and this fast after 5 s (0: no minimum)
     max_open_requests: Positive = 4096  # requests in one ingress replica at once (503 beyond; /health, /metrics exempt)

@@ -31,7 +31,7 @@ def server(tiny_mixtral_dir, tmp_path_factory):
     settings = (f"routers: 1\nexpert_workers: 1\nserve:\n  served_model_name: tiny\n  api_keys: [{KEY}]\n"
                 f"  api_key_file: {folder / 'keys.txt'}\n  cors_allow_origins: ['{ORIGIN}']\n"
                 f"  body_timeout_s: 15\n  body_min_bytes_per_s: 0\n  max_open_requests: 2100\n"
-                f"  keep_alive_timeout_s: 2\n")
+                f"  keep_alive_timeout_s: 2\n  header_timeout_s: 3\n")
     yield from served(folder, tiny_mixtral_dir, settings, env={"RAYMOE_API_KEY": ENV_KEY, "RAYMOE_ADMIN_TOKEN": ADMIN})
 
 
@@ -303,3 +303,40 @@ def test_a_trickling_body_is_cut_at_the_minimum_rate_and_a_steady_one_is_not(mon
     status, body, took = run_front_door(FrontDoorPolicy(body_timeout_s=1, body_min_bytes_per_s=0),
                                         [(0.3, b"x" * 1000)] * 10)
     assert status == 408 and b"serve.body_timeout_s is 1 s" in body and took < 2
+
+
+def test_slow_headers_are_cut_off_with_a_408(server):
+    """One header byte a second (a slowloris): 408 and closed at serve.header_timeout_s (3 s here)."""
+    connection = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    started = time.monotonic()
+    answer = b""
+    try:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        connection.settimeout(1)
+        for byte in b"X-Slow: " + b"a" * 30:  # bounded: 38 s at most
+            try:
+                connection.sendall(bytes([byte]))
+            except OSError:  # closed by the server
+                break
+            try:
+                chunk = connection.recv(4096)
+            except socket.timeout:
+                continue
+            answer += chunk
+            if not chunk:
+                break
+        waited = time.monotonic() - started
+    finally:
+        connection.close()
+    print(f"slow headers: {answer[:40]!r} after {waited:.1f} s")
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert 2.5 < waited < 10
+    # A client that sends its headers at once is untouched, on a kept-alive connection too.
+    client = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        for _ in range(2):
+            client.request("GET", "/health")
+            assert client.getresponse().read()
+            time.sleep(1)
+    finally:
+        client.close()

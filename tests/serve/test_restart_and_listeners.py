@@ -5,7 +5,7 @@ listed by address; in local mode all are on loopback but one per Serve replica: 
 inter-deployment gRPC server, which Serve binds to ``[::]:0`` in code with no setting
 (docs/DEPLOY.md, the security model, says to firewall it). Then the server stops and a new
 one binds the same port within seconds, though the old one left connections in TIME-WAIT
-there (actors/listen_reuse.py).
+there (actors/http_listener.py).
 """
 
 from __future__ import annotations
