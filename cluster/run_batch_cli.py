@@ -71,8 +71,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.config is not None:
         from raymoe.cluster.config import ConfigError, load_cluster_config
 
+        from raymoe.cluster.serve_cli import ensure_demo_model
+
         try:
-            cluster = load_cluster_config(args.config)
+            cluster = ensure_demo_model(load_cluster_config(args.config))  # the demo path: written on first use
         except (ConfigError, OSError) as error:
             print(f"raymoe run-batch: {error}", file=sys.stderr)
             return 2

@@ -40,25 +40,42 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_run)
 
 
+DEMO_MODEL = "~/.cache/raymoe/demo-mixtral"  # a config's `model:` naming the demo checkpoint (configs/)
+
+
+def demo_model_dir() -> str:
+    """Where the demo checkpoint lives: RAYMOE_CACHE/demo-mixtral, else ~/.cache/raymoe/demo-mixtral."""
+    cache = os.environ.get("RAYMOE_CACHE") or os.path.expanduser("~/.cache/raymoe")
+    return os.path.join(cache, "demo-mixtral")
+
+
+def ensure_demo_model(config: ClusterConfig) -> ClusterConfig:
+    """A config whose ``model`` is ``~/.cache/raymoe/demo-mixtral`` (the embedded default and
+    the CPU examples under configs/examples) gets the demo checkpoint, at demo_model_dir(),
+    written on first use; any other model path is left as it is (never a random checkpoint
+    where a real one was meant)."""
+    if config.model != os.path.normpath(os.path.expanduser(DEMO_MODEL)):
+        return config
+    from raymoe.engine.demo_model import write_demo_model
+
+    model = demo_model_dir()
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        print(f"raymoe: writing the demo checkpoint to {model}", file=sys.stderr)
+        write_demo_model(model, "mixtral")
+    return msgspec.structs.replace(config, model=model)
+
+
 def default_config() -> ClusterConfig:
     """configs/default.yaml, with the demo checkpoint in the cache directory (written if missing)."""
     import yaml
 
-    from raymoe.engine.demo_model import write_demo_model
-
     text = importlib.resources.files("raymoe.configs").joinpath("default.yaml").read_text()
-    data = yaml.safe_load(text)
-    cache = os.environ.get("RAYMOE_CACHE") or os.path.expanduser("~/.cache/raymoe")
-    data["model"] = os.path.join(cache, "demo-mixtral")
-    if not os.path.isfile(os.path.join(data["model"], "config.json")):
-        print(f"raymoe serve: writing the demo checkpoint to {data['model']}", file=sys.stderr)
-        write_demo_model(data["model"], "mixtral")
-    return parse_cluster_config(data, "configs/default.yaml")
+    return ensure_demo_model(parse_cluster_config(yaml.safe_load(text), "configs/default.yaml"))
 
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        config = load_cluster_config(args.config) if args.config else default_config()
+        config = ensure_demo_model(load_cluster_config(args.config)) if args.config else default_config()
     except (ConfigError, OSError) as error:
         print(f"raymoe serve: {error}", file=sys.stderr)
         return 2
@@ -143,12 +160,41 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         if ray.is_initialized():  # serve.shutdown() without Ray would ray.init() and attach anywhere
             try:
-                serve.shutdown()
+                _shutdown_serve()
                 if deployment is not None:
                     deployment.shutdown()
             finally:
                 if started_ray:
                     ray.shutdown()
+
+
+def _shutdown_serve(timeout_s: float = 30.0) -> None:
+    """serve.shutdown() without its error-looking lines. serve.shutdown() waits on the Serve
+    controller's graceful_shutdown call until the controller, having stopped every replica
+    and proxy, kills itself under it: the raylet then logs "Task
+    ServeController.graceful_shutdown failed ... killed by `ray.kill`" on every clean stop.
+    Here the call only raises the shutdown flag (wait=False) and returns; the controller's
+    exit is seen by its name going away, and then only this process's cached client is
+    dropped (serve.shutdown() would first ping the dead controller and log its death). If
+    the controller outlives the deadline, serve.shutdown() as before."""
+    import ray
+    from ray import serve
+    from ray.serve import context
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        ray.get(controller.graceful_shutdown.remote(False), timeout=timeout_s)
+        while time.monotonic() < deadline:
+            ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)  # ValueError once it is gone
+            time.sleep(0.2)
+    except ValueError:  # no Serve controller (never started, or gone): everything Serve ran has stopped
+        context._set_global_client(None)
+        return
+    except (ray.exceptions.RayError, TimeoutError):
+        pass
+    serve.shutdown()
 
 
 def _port_problem(host: str, port: int) -> str | None:
@@ -171,6 +217,10 @@ def _checkpoint_problem(model_dir: str) -> str | None:
     from raymoe.engine.weights import validate_checkpoint
     from raymoe.moe.model_config import load_model_config
 
+    if not os.path.isdir(model_dir):
+        return (f"checkpoint {model_dir} does not exist: put a Hugging Face checkpoint there (config.json, "
+                f"*.safetensors, tokenizer.json), or write the random-weight demo there with "
+                f"`raymoe demo-model {model_dir}` (or set model: {DEMO_MODEL}, written on first use)")
     try:
         validate_checkpoint(Checkpoint(model_dir), load_model_config(model_dir))
     except (OSError, ValueError, KeyError) as error:
