@@ -134,7 +134,10 @@ class Controller:
         router_infos = ray.get([r.info.remote() for r in routers], timeout=CALL_TIMEOUT_S)
         self.router_pids = [info["pid"] for info in router_infos]
         self.generation = max(info["comm_generation"] for info in router_infos)  # > 0 after a restart
-        if ray.get_runtime_context().was_current_actor_reconstructed:
+        # Ray's was_current_actor_reconstructed, minus its deprecated `actor_id` read (a RayDeprecationWarning)
+        from ray._private.state import actors as actor_table
+
+        if actor_table(actor_id=ray.get_runtime_context().get_actor_id()).get("NumRestarts", 0):
             self.placement = self._placement_from_workers()  # a restarted controller: the workers know
         if self.groups:
             self._join_migration_group()

@@ -51,6 +51,27 @@ ACTOR_CONCURRENCY_SLACK = 4  # calls a worker must answer at once (info, migrati
 ROUTER_CONCURRENCY = 32  # threads a router answers calls on
 
 
+class ActorsByName(list):
+    """Named actors' handles that a constructor argument carries by name: pickled as the
+    names, looked up again (``ray.get_actor``) where the argument is unpickled.
+
+    A handle pickled into an actor's constructor arguments is a reference Ray keeps with the
+    creation task, and for an actor with ``max_restarts`` it logs at error level that "the
+    actor restart will fail" (ray-project/ray#53727) once per process. Names are plain
+    strings, and a restarted router or controller looks its peers up anew."""
+
+    def __init__(self, handles: list[Any], names: list[str], namespace: str):
+        super().__init__(handles)
+        self.names, self.namespace = list(names), namespace
+
+    def __reduce__(self):
+        return _named_actors, (self.names, self.namespace)
+
+
+def _named_actors(names: list[str], namespace: str) -> list[Any]:
+    return [ray.get_actor(name, namespace=namespace) for name in names]
+
+
 def engine_config(config: ClusterConfig) -> EngineConfig:
     return EngineConfig(
         dtype=config.dtype.value,
@@ -181,7 +202,8 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     """Start the actors a config describes on the connected Ray cluster.
 
     Actors are named ``{name}-worker-{w}``, ``{name}-router-{r}`` and ``{name}-controller`` in
-    the Ray namespace ``namespace``, so ``ray list actors`` and ``raymoe status`` find them.
+    the Ray namespace ``namespace``, so ``raymoe status`` finds them (and Ray's own tools where
+    the cluster runs a dashboard: docs/DEPLOY.md, section 4).
     """
     # Step 1: the checkpoint must match its config before anything starts.
     model_config = load_model_config(config.model)
@@ -246,6 +268,8 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
                  threads[w], config.cpu.packed_experts, _pin_core(config, gpus, config.cpu.worker_threads, w))
         for w in range(config.expert_workers)
     ]
+    # Peers travel by name, never as handles in constructor arguments (ActorsByName).
+    worker_refs = ActorsByName(workers, [f"{name}-worker-{w}" for w in range(config.expert_workers)], namespace)
     router_class = ray.remote(Router)
     routers = [
         router_class.options(
@@ -254,7 +278,7 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
             # subscription stream per ingress replica and run-batch's generate calls.
             max_concurrency=ROUTER_CONCURRENCY, max_restarts=-1,
             name=f"{name}-router-{r}", namespace=namespace, **runtime_env,
-        ).remote(f"router-{r}", config.model, engine_config(config), placement.to_dict(), workers,
+        ).remote(f"router-{r}", config.model, engine_config(config), placement.to_dict(), worker_refs,
                  backend.value, config.comm.timeout_s, r, config.routers,
                  None if gpus else config.cpu.router_threads, _pin_core(config, gpus, config.cpu.router_threads, r))
         for r in range(config.routers)
@@ -272,7 +296,8 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
         num_cpus=0 if gpus else CPU_SLIVER, max_concurrency=4 + config.routers, max_restarts=-1,
         name=f"{name}-controller",
         namespace=namespace,
-    ).remote(routers, workers, placement.to_dict(), policy, balancer.window_steps, balancer.interval_steps,
+    ).remote(ActorsByName(routers, [f"{name}-router-{r}" for r in range(config.routers)], namespace), worker_refs,
+             placement.to_dict(), policy, balancer.window_steps, balancer.interval_steps,
              balancer.poll_interval_s, balancer.enabled, groups)
     ray.get(controller.status.remote())  # up and reading telemetry before the first request
     ray.get([router.set_supervisor.remote(controller) for router in routers])
