@@ -6,8 +6,9 @@ every other router over the deployment's one expert-parallel group (this router 
 ``router_index``): each turn the routers agree whether anyone has work, then each runs its
 engine step (or zero rows, when it has none) through every MoE layer's dispatch and combine.
 No Ray call per step. Requests arrive through actor calls and their tokens stream back as
-they are sampled. Operators find it as ``Router`` in
-``ray list actors``.
+they are sampled. Operators find each as ``{deployment}-router-{r}`` (Ray namespace
+``raymoe``): ``raymoe status --address HOST:PORT`` lists every router's pid, node, liveness,
+requests in flight and last failure (docs/DEPLOY.md, section 4, also for Ray's own tools).
 """
 
 from __future__ import annotations

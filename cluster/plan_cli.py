@@ -294,12 +294,12 @@ def _run_memory(args: argparse.Namespace) -> int:
     gb = 1e9
     fits = estimate.fits
     rows = [
-        ("model", f"{estimate.model}: {estimate.total_params / 1e9:.1f}B params, {shape.bytes_per_param:g} B/param"),
+        ("model", f"{estimate.model}: {count_text(estimate.total_params)} params, {shape.bytes_per_param:g} B/param"),
         ("GPU memory", f"{args.gpu_memory_gb:g} GB x {args.gpus}"),
-        ("replicated", f"{estimate.replicated_bytes / gb:.1f} GB/GPU  fits={fits['replicated']}"),
-        ("expert-parallel", f"{estimate.expert_parallel_bytes / gb:.1f} GB/GPU ({estimate.experts_per_rank} experts/layer)  fits={fits['expert_parallel']}"),
-        ("EP + redundant", f"{estimate.redundant_bytes / gb:.1f} GB/GPU ({estimate.slots_per_rank} slots/layer)  fits={fits['expert_parallel_redundant']}"),
-        ("per redundant slot", f"{estimate.redundant_slot_bytes / gb:.2f} GB on the GPU that holds it"),
+        ("replicated", f"{bytes_text(estimate.replicated_bytes)}/GPU  fits={fits['replicated']}"),
+        ("expert-parallel", f"{bytes_text(estimate.expert_parallel_bytes)}/GPU ({estimate.experts_per_rank} experts/layer)  fits={fits['expert_parallel']}"),
+        ("EP + redundant", f"{bytes_text(estimate.redundant_bytes)}/GPU ({estimate.slots_per_rank} slots/layer)  fits={fits['expert_parallel_redundant']}"),
+        ("per redundant slot", f"{bytes_text(estimate.redundant_slot_bytes)} on the GPU that holds it"),
     ]
     kv_bytes, kv_layout = _kv_cache_per_token(args.model, args.kv_bytes_per_value)
     kv_tokens = int(gb // kv_bytes) if kv_bytes else None
@@ -307,6 +307,22 @@ def _run_memory(args: argparse.Namespace) -> int:
     rows.append(("KV tokens per GB", f"{kv_tokens:,}" if kv_tokens else "n/a"))
     output = {**estimate.to_dict(), "kv_cache_bytes_per_token": kv_bytes, "kv_cache_tokens_per_gb": kv_tokens}
     return _emit(args, output, rows)
+
+
+def count_text(count: float) -> str:
+    """A parameter count in the largest unit it reaches: 46.7B, 1.3M, 24.6K, 512."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g}{unit}" if count < 100 * scale else f"{count / scale:.0f}{unit}"
+    return f"{count:.0f}"
+
+
+def bytes_text(count: float) -> str:
+    """Bytes in decimal units (the GPU sizes above are decimal GB): 93.4 GB, 5.24 MB, 512 B."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit}" if count < 100 * scale else f"{count / scale:.0f} {unit}"
+    return f"{count:.0f} B"
 
 
 def _kv_cache_per_token(model: str, bytes_per_value: int) -> tuple[int | None, str]:

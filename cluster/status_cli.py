@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from typing import Any
 
@@ -25,23 +26,51 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         parser.set_defaults(func=func)
 
 
+DEPLOYMENT_PREFIX = CONTROLLER_NAME.rsplit("-", 1)[0]  # raymoe-router-{r}, raymoe-worker-{w}
+ACTOR_TIMEOUT_S = 10.0
+START_HINT = ("start one with `raymoe serve [CONFIG.yaml]` (it prints the address to give here: "
+              "raymoe status --address HOST:PORT), or name a running cluster with --address or RAY_ADDRESS")
+
+
 def _controller(args: argparse.Namespace):
     import ray
 
-    from raymoe.cluster.ray_connect import ClusterUnreachable, connect, requested_address
+    from raymoe.cluster.ray_connect import AuthenticationFailed, ClusterUnreachable, connect, requested_address
 
+    command = getattr(args, "command", "status")
     address = requested_address(args.address) or "auto"
+    if _nothing_listens(address):  # at once, not after Ray's 45 s of retries
+        print(f"raymoe {command}: no Ray cluster at {address} (nothing listens there); {START_HINT}", file=sys.stderr)
+        return None
     try:
         connect(address, namespace=args.namespace, logging_level="ERROR", log_to_driver=False)
-    except ClusterUnreachable as error:  # AuthenticationFailed says "authentication failed: ..."
-        print(f"raymoe {getattr(args, 'command', 'status')}: {error}", file=sys.stderr)
+    except AuthenticationFailed as error:  # "authentication failed: ...": a cluster is there
+        print(f"raymoe {command}: {error}", file=sys.stderr)
+        return None
+    except ClusterUnreachable as error:
+        print(f"raymoe {command}: {error}; {START_HINT}", file=sys.stderr)
         return None
     try:
         return ray.get_actor(CONTROLLER_NAME)
-    except ValueError as error:
-        print(f"raymoe {getattr(args, 'command', 'status')}: no running raymoe deployment found at {address} "
-              f"(namespace {args.namespace}): {error}", file=sys.stderr)
+    except ValueError:
+        print(f"raymoe {command}: no running raymoe deployment found at {address} (no actor {CONTROLLER_NAME} "
+              f"in namespace {args.namespace}); {START_HINT}", file=sys.stderr)
         return None
+
+
+def _nothing_listens(address: str) -> bool:
+    """True when HOST:PORT refuses a TCP connection (no GCS there); False when anything else
+    happens (it answers, or the address is ``auto`` or not HOST:PORT: Ray decides)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return False
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=3).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -51,8 +80,68 @@ def _status(args: argparse.Namespace) -> int:
     if controller is None:
         return 1
     status = ray.get(controller.status.remote(), timeout=60)
+    status["actors"] = actor_rows(len(status.get("routers", [])), len(status["worker2node"]), args.namespace)
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0
+
+
+def actor_rows(num_routers: int, num_workers: int, namespace: str = NAMESPACE,
+               timeout_s: float = ACTOR_TIMEOUT_S) -> list[dict[str, Any]]:
+    """One row per router and expert worker, each asked directly (all at once, one deadline):
+    pid, node, whether it answered, requests in flight (routers) and its last failure."""
+    import ray
+
+    nodes = {node["NodeID"]: node.get("NodeManagerAddress") for node in ray.nodes()}
+    rows, calls = [], []
+    for kind, count in (("router", num_routers), ("worker", num_workers)):
+        for index in range(count):
+            row: dict[str, Any] = {"actor": f"{kind} {index}", "pid": None, "node": None, "alive": False,
+                                   "in_flight": None, "last_failure": None}
+            rows.append(row)
+            try:
+                actor = ray.get_actor(f"{DEPLOYMENT_PREFIX}-{kind}-{index}", namespace=namespace)
+            except ValueError:
+                row["state"] = "gone (no such actor)"
+                continue
+            calls.append((row, "info", actor.info.remote()))
+            if kind == "router":
+                calls.append((row, "telemetry", actor.get_telemetry.remote()))
+    refs = [ref for _, _, ref in calls]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    ready_set = set(ready)
+    for row, what, ref in calls:
+        if ref not in ready_set:
+            if what == "info":
+                row["state"] = f"no answer within {timeout_s:g} s"
+            continue
+        try:
+            answer = ray.get(ref)
+        except ray.exceptions.RayError as error:
+            if what == "telemetry":
+                continue
+            row["state"] = f"{type(error).__name__}: {(str(error).strip() or 'no detail').splitlines()[0]}"
+            continue
+        if what == "telemetry":
+            row["in_flight"] = answer.get("requests_running", 0) + answer.get("requests_waiting", 0)
+            continue
+        failure = answer.get("last_failure") if "router" in answer else answer.get("last_error")
+        row.update(pid=answer.get("pid"), node=nodes.get(answer.get("node_id")) or answer.get("node_id"),
+                   node_id=answer.get("node_id"), alive=True,
+                   last_failure=failure.get("error") if isinstance(failure, dict) else failure)
+    for row in rows:
+        if "state" in row:
+            row["alive"] = False
+    return rows
+
+
+def format_actors(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [f"{'actor':<10} {'pid':>8} {'node':<16} {'alive':<6} {'in-flight':>9}   last failure"]
+    for row in rows:
+        alive = "yes" if row["alive"] else "NO"
+        failure = row.get("state") or row["last_failure"] or "-"
+        lines.append(f"{row['actor']:<10} {row['pid'] or '-':>8} {row['node'] or '-':<16} {alive:<6} "
+                     f"{'-' if row['in_flight'] is None else row['in_flight']:>9}   {failure}"[:200])
+    return lines
 
 
 def _rebalance(args: argparse.Namespace) -> int:
@@ -83,6 +172,8 @@ def format_status(status: dict[str, Any]) -> str:
         experts = " | ".join(
             ",".join(str(e) for e in layer[worker * slots:(worker + 1) * slots]) for layer in status["placement"])
         lines.append(f"{worker:>6} {status['worker2node'][worker]:>4} {load:>10.0f}   {experts}")
+    if status.get("actors"):
+        lines += ["", *format_actors(status["actors"])]
     last = status.get("last_rebalance")
     if last:
         if "error" in last:
