@@ -14,6 +14,12 @@ whether a new placement pays. A rebalance runs layer by layer:
 
 Serving goes on throughout. One controller per deployment; it owns no weights, so it can
 be restarted and rebuild its state from the routers and workers.
+
+A migration that fails (a worker's migrate or activate raises, or a fault point fires) is
+undone before any router sees its epoch: every worker discards what it staged or activated
+for that epoch, the migration group is rebuilt (no full recovery while every worker is
+alive), and the placement in service stays as it was. Every epoch is new (never one staged,
+discarded or served before), so a retry cannot meet a failed try's rows.
 """
 
 from __future__ import annotations
@@ -46,13 +52,21 @@ REINCLUDE_MAX_BACKOFF_S = 30.0
 # served in between) fails deterministically: its requests are failed, not retried for ever.
 MAX_IDENTICAL_STEP_FAILURES = 3
 # Where a test may make the controller fail on purpose (inject_fault): loading the placement
-# into a restarted worker, and joining the groups that re-include it.
-FAULT_POINTS = ("reinclude_load", "reinclude_join")
+# into a restarted worker, and joining the groups that re-include it; and in a rebalance's
+# layer: before the copies, inside them (one worker fails after staging its first copy, or
+# never enters the copy collective, leaving its peers waiting there), after them before any
+# worker activates, and inside activate (one worker fails, the others have activated).
+REBALANCE_FAULT_POINTS = ("rebalance_before_migrate", "rebalance_during_migrate", "rebalance_migrate_peer_missing",
+                          "rebalance_before_activate", "rebalance_during_activate")
+FAULT_POINTS = ("reinclude_load", "reinclude_join", *REBALANCE_FAULT_POINTS)
+# How long a failed migration's cleanup waits for the calls still running in it (the aborted
+# copy collective makes them fail at once) and for each worker's answer.
+MIGRATION_CLEANUP_WAIT_S = 10.0
 # The decisions and outcomes status()["counters"] counts, so that a test can tell "it decided
 # and skipped" from "it never decided", and "it retried" from "it worked the first time".
 COUNTERS = ("rebalance_decisions_taken", "rebalance_decisions_skipped", "rebalances_deferred", "recoveries",
             "recoveries_on_replicas", "reinclude_attempts", "reinclude_failures", "reincludes",
-            "reinclude_rollbacks", "repeated_step_failures")
+            "reinclude_rollbacks", "repeated_step_failures", "rebalance_failures", "migration_group_rebuilds")
 
 
 class InjectedFault(RuntimeError):
@@ -61,6 +75,32 @@ class InjectedFault(RuntimeError):
 
 class RepeatedStepFailure(RuntimeError):
     """The same step failed the same way after every rebuild: retrying cannot help."""
+
+
+class MigrationFailed(RuntimeError):
+    """A rebalance's migration failed and a worker was lost in it: its cleanup is left to recovery."""
+
+
+def _gather(refs: list[Any], timeout_s: float = CALL_TIMEOUT_S) -> list[Any]:
+    """``ray.get(refs)``, but a failed call raises as soon as it fails, not once every other
+    call has ended (a copy collective's peers wait in it until the failure is cleaned up)."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(refs)} calls did not finish in {timeout_s} s")
+        ray.get(ready)
+    return ray.get(list(refs))
+
+
+def _describe(error: BaseException) -> str:
+    """``Type: text`` of the error a remote call raised (not Ray's wrapper and traceback)."""
+    cause = getattr(error, "cause", None) if isinstance(error, ray.exceptions.RayTaskError) else None
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {' '.join(str(cause).split())}"
+    lines = str(error).strip().splitlines()  # Ray's text ends with the remote error's own line
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"
 
 
 def join_ep_group(routers: list[Any], workers: list[Any], members: list[int], backend: str, timeout_s: float,
@@ -114,7 +154,8 @@ class Controller:
         # steps the workers had served then (a served step ends a streak).
         self._failure_streak: tuple[tuple, int, int] = ((), 0, -1)
         # A worker Ray has already restarted answers pings; its new pid gives it away.
-        self.worker_pids = [info["pid"] for info in ray.get([w.info.remote() for w in workers], timeout=CALL_TIMEOUT_S)]
+        worker_infos = ray.get([w.info.remote() for w in workers], timeout=CALL_TIMEOUT_S)
+        self.worker_pids = [info["pid"] for info in worker_infos]
         self.workers = workers
         self.placement = PlacementTable.from_dict(placement)
         self.policy = policy
@@ -139,6 +180,9 @@ class Controller:
 
         if actor_table(actor_id=ray.get_runtime_context().get_actor_id()).get("NumRestarts", 0):
             self.placement = self._placement_from_workers()  # a restarted controller: the workers know
+        # The largest epoch ever used (staged, discarded or served): every new table's epoch is
+        # larger, so no epoch is reused, also by a restarted controller.
+        self.max_epoch = max([self.placement.epoch, *(info.get("max_epoch", 0) for info in worker_infos)])
         if self.groups:
             self._join_migration_group()
         self._thread = threading.Thread(target=self._loop, name="raymoe-controller", daemon=True)
@@ -203,49 +247,180 @@ class Controller:
                 "balancedness_predicted": decision.predicted_balancedness,
             }
             if decision.rebalance:
-                report.update(self._execute(decision))
-                self.window.clear()  # the old window describes the old placement's history only
+                report.update(self._execute(decision, report))
+                if report["rebalanced"]:
+                    self.window.clear()  # the old window describes the old placement's history only
             if decision.rebalance or force:
                 self.last = report
             return report
 
-    def _execute(self, decision: RebalanceDecision) -> dict[str, Any]:
+    def _new_table(self, phy2log: np.ndarray) -> PlacementTable:
+        """``phy2log`` over the placement's workers, in an epoch never used before."""
+        with self._counters_lock:  # a rebalance and a recovery may both ask
+            self.max_epoch += 1
+            epoch = self.max_epoch
+        current = self.placement
+        return PlacementTable.from_phy2log(phy2log, current.slots_per_worker, current.num_experts,
+                                           current.worker2node, epoch)
+
+    def _execute(self, decision: RebalanceDecision, report: dict[str, Any]) -> dict[str, Any]:
+        """Migrate to ``decision``'s placement layer by layer. A layer that fails is undone
+        (``_undo_migration``) and ends the rebalance: the report says so, with the error, and
+        the layers done before it stay in service. Raises :class:`MigrationFailed` (after
+        recording the report) only when a worker was lost in it: recovery cleans up then."""
         started = time.perf_counter()
         target = decision.result.placement
         copies = decision.result.migration.copies
-        slots = self.placement.slots_per_worker
         changed = [layer for layer in range(target.num_layers)
                    if not np.array_equal(target.phy2log[layer], self.placement.phy2log[layer])]
-        moved = 0
-        for layer in changed:  # a layer may change without copies (a replica dropped or re-pointed)
+        moved, epochs = 0, []
+        for done, layer in enumerate(changed):  # a layer may change without copies (a replica dropped or re-pointed)
             current = self.placement
-            layer_table = current.with_layer(layer, target.phy2log[layer])
-            # Step 1: every worker joins one all-to-all-v on the migration group that moves
-            # the layer's new experts from live peers into free pool rows.
-            layer_copies = [c for c in copies if c.layer == layer]
-            sends = [[(c.destination_worker, c.expert) for c in layer_copies if c.source_worker == w]
-                     for w in range(len(self.workers))]
-            receives = [[(c.source_worker, c.destination_slot % slots) for c in layer_copies
-                         if c.destination_worker == w] for w in range(len(self.workers))]
-            moved += sum(ray.get([w.migrate.remote(current.epoch, layer, layer_table.epoch, sends[i], receives[i])
-                                  for i, w in enumerate(self.workers)], timeout=CALL_TIMEOUT_S))
-            # Step 2: workers serve the new epoch beside the old one.
-            ray.get([w.activate.remote(layer_table.epoch, current.epoch, layer_table.to_dict()) for w in self.workers],
-                    timeout=CALL_TIMEOUT_S)
-            # Step 3: routers switch at their next step boundary.
-            ray.get([r.set_placement.remote(layer_table.to_dict()) for r in self.routers], timeout=CALL_TIMEOUT_S)
-            # Step 4: no step can use the old epoch any more: free its rows.
-            ray.get([w.retire.remote(layer_table.epoch) for w in self.workers], timeout=CALL_TIMEOUT_S)
+            phy2log = current.phy2log.copy()
+            phy2log[layer] = target.phy2log[layer]
+            layer_table = self._new_table(phy2log)
+            progress = {"step": "migrate", "routers_told": False}
+            try:
+                moved += self._migrate_layer(current, layer_table, layer, [c for c in copies if c.layer == layer],
+                                             progress)
+            except Exception as error:
+                failure = self._migration_failed(error, current, layer_table, layer, progress)
+                if progress["routers_told"]:
+                    self.placement = layer_table  # some routers may serve it already: it is in service
+                    epochs.append(layer_table.epoch)
+                seconds = time.perf_counter() - started
+                self.migration_seconds += seconds
+                self.bytes_moved += moved
+                report.update(failure, rebalanced=False, epoch=self.placement.epoch, epochs=epochs, seconds=seconds,
+                              bytes_moved=moved, layers_done=done + progress["routers_told"],
+                              layers_to_do=len(changed))
+                report["reason"] = f"migration failed: {failure['error']}"
+                if failure["workers_lost"]:
+                    self.last = report
+                    raise MigrationFailed(report["reason"]) from None
+                return report
             self.placement = layer_table
+            epochs.append(layer_table.epoch)
         seconds = time.perf_counter() - started
         self.rebalances += 1
         self.migration_seconds += seconds
         self.bytes_moved += moved
         return {
-            "epoch": self.placement.epoch, "seconds": seconds, "bytes_moved": moved, "copies": len(copies),
-            "cross_node_copies": sum(not c.same_node for c in copies),
+            "epoch": self.placement.epoch, "epochs": epochs, "seconds": seconds, "bytes_moved": moved,
+            "copies": len(copies), "cross_node_copies": sum(not c.same_node for c in copies),
             "moved": [c.to_dict() for c in copies],
         }
+
+    def _migrate_layer(self, current: PlacementTable, table: PlacementTable, layer: int, copies: list[Any],
+                       progress: dict[str, Any]) -> int:
+        """One layer's four steps; ``progress`` tells a failure how far it got. Returns bytes moved."""
+        slots, workers = self.placement.slots_per_worker, self.workers
+        # Step 1: every worker joins one all-to-all-v on the migration group that moves the
+        # layer's new experts from live peers into free pool rows. Sends and receives keep the
+        # copies' order, so the k-th copy a source sends a destination is the k-th it receives.
+        sends = [[(c.destination_worker, c.expert) for c in copies if c.source_worker == w]
+                 for w in range(len(workers))]
+        receives = [[(c.source_worker, c.destination_slot % slots, c.expert) for c in copies
+                     if c.destination_worker == w] for w in range(len(workers))]
+        self._fault("rebalance_before_migrate")
+        # (tests: one worker fails inside the copy; the last that receives, so the others stage theirs)
+        receivers = [w for w in range(len(workers)) if receives[w]] or [len(workers) - 1]
+        for point, worker_point in (("rebalance_during_migrate", "migrate_staged"),
+                                    ("rebalance_migrate_peer_missing", "migrate_enter")):
+            if self._take_fault(point):
+                ray.get(workers[receivers[-1]].inject_fault.remote(worker_point), timeout=CALL_TIMEOUT_S)
+        progress["calls"] = [w.migrate.remote(current.epoch, layer, table.epoch, sends[i], receives[i])
+                             for i, w in enumerate(workers)]
+        moved = sum(_gather(progress["calls"], MIGRATION_TIMEOUT_S + CALL_TIMEOUT_S))
+        # Step 2: workers serve the new epoch beside the old one.
+        progress["step"] = "activate"
+        self._fault("rebalance_before_activate")
+        if self._take_fault("rebalance_during_activate"):
+            ray.get(workers[-1].inject_fault.remote("activate"), timeout=CALL_TIMEOUT_S)
+        progress["calls"] = [w.activate.remote(table.epoch, current.epoch, table.to_dict()) for w in workers]
+        _gather(progress["calls"])
+        # Step 3: routers switch at their next step boundary. From here on the new epoch may
+        # be in service: a failure no longer undoes it.
+        progress.update(step="set_placement", routers_told=True, calls=[])
+        _gather([r.set_placement.remote(table.to_dict()) for r in self.routers])
+        # Step 4: no step can use the old epoch any more: free its rows.
+        progress["step"] = "retire"
+        _gather([w.retire.remote(table.epoch) for w in workers])
+        return moved
+
+    def _migration_failed(self, error: BaseException, current: PlacementTable, table: PlacementTable, layer: int,
+                          progress: dict[str, Any]) -> dict[str, Any]:
+        """Count and describe a failed layer; undo it unless routers may serve its epoch."""
+        self._count("rebalance_failures")
+        message = (f"{progress['step']} of layer {layer} to epoch {table.epoch} failed: {_describe(error)}")
+        failure: dict[str, Any] = {"failed_step": progress["step"], "failed_layer": layer,
+                                   "failed_epoch": table.epoch, "workers_lost": [], "rolled_back": False,
+                                   "migration_group_rebuilt": False}
+        if progress["routers_told"]:
+            # Every worker activated the epoch and some routers may use it: it stays, and the
+            # old one is retired by the next rebalance (its retire covers every older epoch).
+            failure["error"] = f"{message}; epoch {table.epoch} is in service (routers may use it already)"
+            return failure
+        cleanup = self._undo_migration(table.epoch, progress.get("calls", []))
+        failure.update(cleanup, rolled_back=True)
+        notes = [f"the placement in service is unchanged (epoch {current.epoch})",
+                 f"epoch {table.epoch} was discarded on every live worker and is never reused"]
+        if cleanup["workers_lost"]:
+            notes.append(f"workers {cleanup['workers_lost']} did not answer: recovery rebuilds the groups")
+        elif cleanup["migration_group_rebuilt"]:
+            notes.append("the migration group was rebuilt")
+        notes += cleanup["cleanup_errors"]
+        failure["error"] = f"{message}; " + "; ".join(notes)
+        return failure
+
+    def _undo_migration(self, epoch: int, calls: list[Any]) -> dict[str, Any]:
+        """Undo a failed layer before any router saw ``epoch``: abort the copy collective
+        (peers waiting in it fail at once), wait for the calls still running, make every
+        worker discard what it staged or activated for ``epoch``, and join a new migration
+        group. A worker that does not answer (or was restarted) is left to recovery: the
+        others only discard, and recovery rebuilds every group."""
+        errors: list[str] = []
+        lost = []
+        answers = [w.info.remote() for w in self.workers]
+        for index, answer in enumerate(answers):
+            try:
+                if ray.get(answer, timeout=PING_TIMEOUT_S)["pid"] != self.worker_pids[index]:
+                    lost.append(index)
+            except Exception:  # dead, restarting or frozen: recovery's business
+                lost.append(index)
+        live = [w for w in range(len(self.workers)) if w not in lost]
+
+        def each(call: str, *args: Any) -> list[Any]:
+            refs = {w: getattr(self.workers[w], call).remote(*args) for w in live}
+            answers = []
+            for w, ref in refs.items():
+                try:
+                    answers.append(ray.get(ref, timeout=MIGRATION_CLEANUP_WAIT_S))
+                except Exception as error:
+                    errors.append(f"worker {w} {call}: {_describe(error)}")
+            return answers
+
+        if lost:  # (a staging call that ends later is refused: the epoch is discarded first)
+            discarded = each("discard_staged", epoch)
+            if calls:
+                ray.wait(calls, num_returns=len(calls), timeout=MIGRATION_CLEANUP_WAIT_S)
+            return {"workers_lost": lost, "migration_group_rebuilt": False, "discarded": discarded,
+                    "cleanup_errors": errors}
+        rebuilt = False
+        with self._recover_lock:  # never beside a recovery's rebuild of the same group
+            each("abort_migration")
+            if calls:  # they end at once now
+                ray.wait(calls, num_returns=len(calls), timeout=MIGRATION_CLEANUP_WAIT_S)
+            discarded = each("discard_staged", epoch)
+            if self.groups:
+                try:
+                    self._join_migration_group()
+                    rebuilt = True
+                    self._count("migration_group_rebuilds")
+                except Exception as error:
+                    errors.append(f"rebuilding the migration group: {_describe(error)}")
+        return {"workers_lost": lost, "migration_group_rebuilt": rebuilt, "discarded": discarded,
+                "cleanup_errors": errors}
 
     # ---- failure recovery -------------------------------------------------------------------
     def recover(self, generation: int) -> int:
@@ -391,7 +566,7 @@ class Controller:
         phy2log = current.phy2log.copy()
         for index in lost:
             phy2log[:, current.worker_slots(index)] = -1
-        degraded = current.with_phy2log(phy2log)
+        degraded = self._new_table(phy2log)
         survivors = [w for w in range(len(self.workers)) if w not in lost]
         self._switch_groups(degraded, current.epoch, survivors, survivors)
         self.placement = degraded
@@ -454,7 +629,7 @@ class Controller:
                 return
             started = time.perf_counter()
             current = self.placement
-            restored = current.with_phy2log(self.degraded["rows"])
+            restored = self._new_table(self.degraded["rows"])
             for index in lost:
                 self.worker_pids[index] = pids[index]
                 self._fault("reinclude_load")
@@ -478,26 +653,34 @@ class Controller:
         again, in a newer epoch (routers never go back to an older one), served by the
         survivors, with the groups rebuilt over them; older epochs are forgotten."""
         self._count("reinclude_rollbacks")
-        rolled = attempted.with_phy2log(self.placement.phy2log)
+        rolled = self._new_table(self.placement.phy2log)
         self._switch_groups(rolled, self.placement.epoch, survivors, survivors)
         ray.get([self.workers[w].retire.remote(rolled.epoch) for w in survivors], timeout=CALL_TIMEOUT_S)
         self.placement = rolled
 
     # ---- fault injection (tests only) -----------------------------------------------------------
     def inject_fault(self, point: str, times: int = 1) -> None:
-        """Make the next ``times`` passes through fault ``point`` raise :class:`InjectedFault`.
+        """Make the next ``times`` passes through fault ``point`` raise :class:`InjectedFault`
+        (the ``rebalance_during_*`` and ``rebalance_migrate_peer_missing`` points make one
+        worker raise instead, inside its call).
 
-        For tests only: a failed re-include becomes deterministic instead of a matter of
-        timing. ``point`` is one of ``FAULT_POINTS``; nothing calls this in serving."""
+        For tests only: a failed re-include or migration becomes deterministic instead of a
+        matter of timing. ``point`` is one of ``FAULT_POINTS``; nothing calls this in serving."""
         if point not in FAULT_POINTS:
             raise ValueError(f"unknown fault point {point!r}; choose one of {', '.join(FAULT_POINTS)}")
         if times < 0:
             raise ValueError(f"times must be >= 0, got {times}")
         self._faults[point] = times
 
-    def _fault(self, point: str | None) -> None:
-        if point is not None and self._faults.get(point, 0) > 0:
+    def _take_fault(self, point: str) -> bool:
+        """Whether fault ``point`` fires on this pass (and one fewer time from now on)."""
+        if self._faults.get(point, 0) > 0:
             self._faults[point] -= 1
+            return True
+        return False
+
+    def _fault(self, point: str | None) -> None:
+        if point is not None and self._take_fault(point):
             raise InjectedFault(f"fault injected at {point!r} (Controller.inject_fault)")
 
     def _count(self, name: str) -> None:

@@ -4,13 +4,17 @@ It holds the weights of its physical slots for every MoE layer, read straight fr
 checkpoint (only its own experts), joins the deployment's one expert-parallel group, and from
 then on runs a persistent loop driven by that group, with no Ray call per step: for every MoE
 layer, receive every router's rows, run its experts over all of them at once, send the sums
-back (engine/ep_exchange.py). Operators find each as ``{deployment}-worker-{w}`` (Ray namespace
-``raymoe``): ``raymoe status --address HOST:PORT`` lists every worker's pid, node, liveness and
-last failure (docs/DEPLOY.md, section 4, also for Ray's own tools).
+back (engine/ep_exchange.py). Operators find it as ``ExpertWorker`` in ``ray list actors``.
 
 Weights live in a per-layer pool a little larger than the worker's slots. Each placement
 epoch maps slots to pool rows, so a migration stages new experts into free rows while every
 router keeps serving with the epoch it uses; rows are freed when no epoch uses them.
+
+A migration that fails is undone with :meth:`ExpertWorker.discard_staged`: its epoch's staged
+rows (and the epoch itself, if this worker already activated it) are dropped and the epoch
+can never be staged or activated again here, so a retry must take a new one. ``activate``
+swaps in only rows staged under its own epoch, and refuses one staged for an expert its
+table does not put in that slot.
 """
 
 from __future__ import annotations
@@ -40,6 +44,18 @@ from raymoe.moe.placement import PlacementTable
 
 
 LOG = logging.getLogger("raymoe.worker")
+# Where a test may make this worker fail on purpose (inject_fault): entering a migration's copy
+# collective (its peers are left waiting in it), right after staging the first incoming expert
+# of a migration (the others stay staged), and in activate before anything is committed.
+WORKER_FAULT_POINTS = ("migrate_enter", "migrate_staged", "activate")
+
+
+class InjectedWorkerFault(RuntimeError):
+    """Raised at a fault point armed by :meth:`ExpertWorker.inject_fault` (tests only)."""
+
+
+class StaleStagedRows(RuntimeError):
+    """``activate`` found staged rows it must not serve (another epoch's, or another expert's)."""
 
 
 class ExpertWorker:
@@ -70,6 +86,11 @@ class ExpertWorker:
         self.last_error: str | None = None
         self.steps_served = 0
         self.step_stats: deque = deque(maxlen=1000)  # per step: rows, assignments, compute seconds
+        self.migration_joins = 0  # how many migration groups this process joined
+        self.discarded: set[int] = set()  # epochs of failed migrations: never staged or served here again
+        self.max_epoch = 0  # the largest epoch this process ever staged, served or discarded
+        self._staging_lock = threading.Lock()  # staging and discarding, from different Ray call threads
+        self._faults: dict[str, int] = {}  # worker fault point -> how many more times it fails
         self.load_placement(placement)
         # The kernel its experts run on (kernels/native_cpu.py), built now rather than in the first step.
         self.expert_kernel = native_cpu.kernel_name(torch.empty(1, self.config.hidden_size, dtype=self.dtype,
@@ -100,7 +121,9 @@ class ExpertWorker:
             table.epoch: [list(range(self.slots)) for _ in range(self.num_layers)]}
         self.experts: dict[int, list[list[int]]] = {
             table.epoch: [table.worker_experts(layer, self.worker) for layer in range(self.num_layers)]}
-        self.staged: dict[tuple[int, int, int], int] = {}  # (epoch, layer, slot) -> pool row
+        # (epoch, layer, slot) -> (pool row, the expert staged there; -1 when the sender did not say)
+        self.staged: dict[tuple[int, int, int], tuple[int, int]] = {}
+        self.max_epoch = max(self.max_epoch, table.epoch)
         self._publish_pool_rows()
 
     def _publish_pool_rows(self) -> None:
@@ -123,6 +146,10 @@ class ExpertWorker:
             "niceness": os.nice(0),
             "epochs": sorted(self.slot_rows),
             "experts": self.experts[latest],
+            "staged": sorted([epoch, layer, slot] for epoch, layer, slot in self.staged),
+            "max_epoch": self.max_epoch,
+            "discarded_epochs": sorted(self.discarded),
+            "migration_joins": self.migration_joins,
             "generation": self.generation,
             "serving": self.exchange is not None,
             "steps_served": self.steps_served,
@@ -185,24 +212,38 @@ class ExpertWorker:
     def join_migration(self, backend: str, rendezvous: Any, world_size: int, timeout_s: float) -> None:
         """Join the workers' migration group (rank = worker index): a communicator of its own,
         so copies never share a stream or a sequence of collectives with dispatch/combine."""
-        if self.migration_comm is not None:
-            self.migration_comm.abort()
+        self.abort_migration()
         self.migration_comm = make_communicator(
             CommBackend(backend), rendezvous, rank=self.worker, world_size=world_size, timeout_s=timeout_s,
             device=self.device if self.device.type == "cuda" else None,
             bind_host=ray.util.get_node_ip_address(),
         )
+        self.migration_joins += 1
+
+    def abort_migration(self) -> None:
+        """Abort the migration group (a migration failed): a copy collective waiting in it on
+        this worker fails at once instead of at its deadline. The controller joins a new one."""
+        comm, self.migration_comm = self.migration_comm, None
+        if comm is not None:
+            comm.abort()
 
     def migrate(self, epoch: int, layer: int, new_epoch: int, sends: list[tuple[int, int]],
                 receives: list[tuple[int, int]]) -> int:
         """Copy experts worker to worker over the migration group; every worker calls it.
 
         sends: ``(destination worker, expert)`` this worker sends from what it serves in ``epoch``;
-        receives: ``(source worker, local slot)`` it receives, staged to serve from ``new_epoch``.
+        receives: ``(source worker, local slot[, expert])`` it receives, staged to serve from
+        ``new_epoch`` (with the expert, ``activate`` checks that its table puts that expert there).
         Both lists are in the order the controller made them, so the k-th expert a source sends
         to a destination is the k-th that destination receives from it. Returns bytes sent.
         """
-        world = self.migration_comm.world_size
+        self._check_epoch_usable(new_epoch, "stage")
+        comm = self.migration_comm
+        if comm is None:
+            raise RuntimeError(f"worker {self.worker}: no migration group (aborted after a failed migration and "
+                               "not joined again); the controller rebuilds it")
+        self._fault("migrate_enter")
+        world = comm.world_size
         inter, hidden = self.w2[layer].shape[2], self.w2[layer].shape[1]
         width = 3 * inter * hidden  # gate/up rows, then down
         # Step 1: this worker's outgoing experts, grouped by destination (stable).
@@ -218,39 +259,69 @@ class ExpertWorker:
         # Step 2: one all-to-all-v moves every copy of the layer.
         incoming = sorted(enumerate(receives), key=lambda item: (item[1][0], item[0]))
         recv_counts = [0] * world
-        for _, (source, _) in incoming:
+        for _, (source, *_) in incoming:
             recv_counts[source] += 1
-        received = self.migration_comm.exchange_payload(send, send_counts, recv_counts,
-                                                        tag=f"migration layer {layer} epoch {new_epoch}")
+        received = comm.exchange_payload(send, send_counts, recv_counts,
+                                         tag=f"migration layer {layer} epoch {new_epoch}")
         # Step 3: stage what arrived into free pool rows.
-        for row, (_, (_, slot)) in zip(received, incoming):
-            self._stage(new_epoch, layer, slot, row[: 2 * inter * hidden].view(2 * inter, hidden),
-                        row[2 * inter * hidden:].view(hidden, inter))
+        for index, (row, (_, (_, slot, *expert))) in enumerate(zip(received, incoming)):
+            self._stage(new_epoch, layer, slot, expert[0] if expert else -1,
+                        row[: 2 * inter * hidden].view(2 * inter, hidden), row[2 * inter * hidden:].view(hidden, inter))
+            if index == 0:
+                self._fault("migrate_staged")
+        if not incoming:
+            self._fault("migrate_staged")
         return send.numel() * send.element_size()
 
-    def _stage(self, epoch: int, layer: int, slot: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    def _check_epoch_usable(self, epoch: int, what: str) -> None:
+        if epoch in self.discarded:
+            raise StaleStagedRows(f"worker {self.worker}: cannot {what} epoch {epoch}: it was discarded after a "
+                                  "failed migration, and an epoch is never reused (a retry takes a new one)")
+
+    def _stage(self, epoch: int, layer: int, slot: int, expert: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Write an incoming expert into a free pool row, to serve local ``slot`` from ``epoch`` on."""
-        used = {r for rows in self.slot_rows.values() for r in rows[layer]}
-        used |= {row for (_, staged_layer, _), row in self.staged.items() if staged_layer == layer}
-        free = [r for r in range(self.w13[layer].shape[0]) if r not in used]
-        if not free:
-            raise RuntimeError(
-                f"worker {self.worker} layer {layer}: no free pool row to stage into; lower "
-                "balancer.max_copies_per_rebalance or retire old epochs first"
-            )
-        self.w13[layer][free[0]].copy_(w13)
-        self.w2[layer][free[0]].copy_(w2)
-        self.staged[(epoch, layer, slot)] = free[0]
+        with self._staging_lock:  # a discard_staged of this epoch either precedes (refused) or follows it
+            self._check_epoch_usable(epoch, "stage")
+            used = {r for rows in self.slot_rows.values() for r in rows[layer]}
+            used |= {row for (_, staged_layer, _), (row, _) in self.staged.items() if staged_layer == layer}
+            free = [r for r in range(self.w13[layer].shape[0]) if r not in used]
+            if not free:
+                raise RuntimeError(
+                    f"worker {self.worker} layer {layer}: no free pool row to stage into; lower "
+                    "balancer.max_copies_per_rebalance or retire old epochs first"
+                )
+            self.w13[layer][free[0]].copy_(w13)
+            self.w2[layer][free[0]].copy_(w2)
+            self.staged[(epoch, layer, slot)] = (free[0], expert)
+            self.max_epoch = max(self.max_epoch, epoch)
 
     def activate(self, epoch: int, base_epoch: int, placement: dict[str, Any]) -> None:
-        """Serve ``epoch``: ``base_epoch``'s rows, with this epoch's staged experts swapped in."""
+        """Serve ``epoch``: ``base_epoch``'s rows, with this epoch's staged experts swapped in.
+
+        Only rows staged under ``epoch`` itself are swapped in. Refuses
+        (:class:`StaleStagedRows`, nothing changed) an epoch that was discarded or is served
+        already, and a row staged under ``epoch`` for an expert its table does not put in that
+        slot (another try's row under a reused epoch). Rows staged under an older epoch can
+        never be served any more (routers only move forward): they are discarded, that epoch
+        with them. Nothing is committed before every check and checkpoint read has passed."""
         table = PlacementTable.from_dict(placement)
-        rows = [list(layer_rows) for layer_rows in self.slot_rows[base_epoch]]
-        for (staged_epoch, layer, slot), row in list(self.staged.items()):
-            if staged_epoch == epoch:
-                rows[layer][slot] = row
-                del self.staged[(staged_epoch, layer, slot)]
+        if table.epoch != epoch:
+            raise ValueError(f"worker {self.worker}: activate({epoch}) was given a table of epoch {table.epoch}")
+        self._check_epoch_usable(epoch, "activate")
+        if epoch in self.slot_rows:
+            raise StaleStagedRows(f"worker {self.worker}: epoch {epoch} is served already; an epoch is activated once")
         experts = [table.worker_experts(layer, self.worker) for layer in range(self.num_layers)]
+        rows = [list(layer_rows) for layer_rows in self.slot_rows[base_epoch]]
+        taken = []
+        for (staged_epoch, layer, slot), (row, expert) in self.staged.items():
+            if staged_epoch != epoch:
+                continue  # never swapped in: an older one is dropped below, a newer one waits for its activate
+            if expert >= 0 and expert != experts[layer][slot]:
+                raise StaleStagedRows(
+                    f"worker {self.worker}: layer {layer} slot {slot} has expert {expert} staged under epoch {epoch}, "
+                    f"but that epoch's table puts expert {experts[layer][slot]} there; refusing to serve it")
+            rows[layer][slot] = row
+            taken.append((staged_epoch, layer, slot))
         base_rows, base_experts = self.slot_rows[base_epoch], self.experts[base_epoch]
         for layer in range(self.num_layers):
             for slot, expert in enumerate(experts[layer]):
@@ -263,14 +334,61 @@ class ExpertWorker:
                                 "(the slot held expert %d); loading it from the checkpoint", self.worker, epoch,
                                 expert, layer, slot, base_experts[layer][slot])
                     rows[layer][slot] = self._load_into_free_row(layer, expert, rows)
-        self.slot_rows[epoch] = rows
-        self.experts[epoch] = experts
-        self._publish_pool_rows()
+        self._fault("activate")
+        with self._staging_lock:
+            self._check_epoch_usable(epoch, "activate")  # discarded meanwhile: commit nothing
+            for key in taken:
+                del self.staged[key]
+            stale = sorted({key[0] for key in self.staged if key[0] < epoch})
+            if stale:  # a failed migration's rows (the controller's discard_staged may still be on its way)
+                LOG.warning("worker %d: activating epoch %d discards rows staged under older epoch(s) %s",
+                            self.worker, epoch, stale)
+                self.discarded.update(stale)
+                for key in [key for key in self.staged if key[0] < epoch]:
+                    del self.staged[key]
+            self.slot_rows[epoch] = rows
+            self.experts[epoch] = experts
+            self.max_epoch = max(self.max_epoch, epoch)
+            self._publish_pool_rows()
+
+    def discard_staged(self, epoch: int) -> dict[str, Any]:
+        """Undo a failed migration to ``epoch``: drop the rows staged for it (and any older
+        epoch's: an earlier failure's leftovers) and, if this worker activated it already (no
+        router uses it yet), the epoch itself; their pool rows become free. ``epoch`` can never
+        be staged or activated here again. Returns what was dropped."""
+        with self._staging_lock:
+            self.discarded.add(epoch)
+            self.max_epoch = max(self.max_epoch, epoch)
+            dropped = [key for key in self.staged if key[0] <= epoch]
+            for key in dropped:
+                del self.staged[key]
+            activated = epoch in self.slot_rows
+            if activated:
+                if len(self.slot_rows) == 1:
+                    raise RuntimeError(f"worker {self.worker}: epoch {epoch} is the only one it serves; "
+                                       "a placement in service is never discarded")
+                del self.slot_rows[epoch]
+                del self.experts[epoch]
+                self._publish_pool_rows()
+        return {"worker": self.worker, "epoch": epoch, "staged_rows": len(dropped), "activated": activated}
+
+    # ---- fault injection (tests only) -----------------------------------------------------------
+    def inject_fault(self, point: str, times: int = 1) -> None:
+        """Make the next ``times`` passes through worker fault ``point`` raise
+        :class:`InjectedWorkerFault` (``WORKER_FAULT_POINTS``). For tests only."""
+        if point not in WORKER_FAULT_POINTS:
+            raise ValueError(f"unknown worker fault point {point!r}; choose one of {', '.join(WORKER_FAULT_POINTS)}")
+        self._faults[point] = times
+
+    def _fault(self, point: str) -> None:
+        if self._faults.get(point, 0) > 0:
+            self._faults[point] -= 1
+            raise InjectedWorkerFault(f"worker {self.worker}: fault injected at {point!r} (ExpertWorker.inject_fault)")
 
     def _load_into_free_row(self, layer: int, expert: int, pending: list[list[int]]) -> int:
         """Read one expert of MoE layer ``layer`` from the checkpoint into a free pool row."""
         used = {r for rows in self.slot_rows.values() for r in rows[layer]} | set(pending[layer])
-        used |= {row for (_, staged_layer, _), row in self.staged.items() if staged_layer == layer}
+        used |= {row for (_, staged_layer, _), (row, _) in self.staged.items() if staged_layer == layer}
         free = [r for r in range(self.w13[layer].shape[0]) if r not in used]
         if not free:
             raise RuntimeError(f"worker {self.worker} layer {layer}: no free pool row for expert {expert}; "
