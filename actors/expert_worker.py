@@ -4,7 +4,9 @@ It holds the weights of its physical slots for every MoE layer, read straight fr
 checkpoint (only its own experts), joins the deployment's one expert-parallel group, and from
 then on runs a persistent loop driven by that group, with no Ray call per step: for every MoE
 layer, receive every router's rows, run its experts over all of them at once, send the sums
-back (engine/ep_exchange.py). Operators find it as ``ExpertWorker`` in ``ray list actors``.
+back (engine/ep_exchange.py). Operators find each as ``{deployment}-worker-{w}`` (Ray namespace
+``raymoe``): ``raymoe status --address HOST:PORT`` lists every worker's pid, node, liveness and
+last failure (docs/DEPLOY.md, section 4, also for Ray's own tools).
 
 Weights live in a per-layer pool a little larger than the worker's slots. Each placement
 epoch maps slots to pool rows, so a migration stages new experts into free rows while every
