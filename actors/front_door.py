@@ -70,7 +70,7 @@ class FrontDoorPolicy:
     body_timeout_s: float = 30.0
     body_min_bytes_per_s: float = 1024.0
     max_open_requests: int = 4096
-    max_requests_per_client: int = 256
+    max_requests_per_client: int = 1024
 
     @property
     def needs_key(self) -> bool:

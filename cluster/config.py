@@ -179,7 +179,7 @@ class ServeSection(_Section):
     body_timeout_s: PositiveFloat = 30.0  # a request body must have arrived by then (else 408)
     body_min_bytes_per_s: Annotated[float, msgspec.Meta(ge=0)] = 1024.0  # and this fast after 5 s (0: no minimum)
     max_open_requests: Positive = 4096  # requests in one ingress replica at once (503 beyond; /health, /metrics exempt)
-    max_requests_per_client: Positive = 256  # from one client address at once (429 beyond)
+    max_requests_per_client: Positive = 1024  # from one client address at once (429 beyond; raise it behind a load balancer)
     keep_alive_timeout_s: PositiveFloat | None = None  # idle keep-alive connections closed after this (Serve's default)
 
 

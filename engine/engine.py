@@ -367,24 +367,22 @@ class LLMEngine:
         """Logits at every position of each prompt, ``[len, V]`` float32 on the host (tests,
         debugging: the result itself is ``len * V`` floats a prompt; echo and prompt logprobs
         take :meth:`score_prompts`, which never holds them). Computed as :meth:`score_prompts` is."""
-        scoring = self.start_scoring(prompts, None)
-        try:
-            while not scoring.done:
-                scoring.step()
-        finally:
-            scoring.close()
-        return scoring.logits()
+        return self._scored(prompts, None).logits()
 
     def score_prompts(self, prompts: list[list[int]], num_top: int) -> list[PromptLogprobs]:
         """Each prompt's token logprobs, ranks and ``num_top`` alternatives per position (echo,
         prompt_logprobs), within the token budget: see :class:`PromptScoring`."""
+        return self._scored(prompts, num_top).prompt_logprobs()
+
+    def _scored(self, prompts: list[list[int]], num_top: int | None) -> "PromptScoring":
+        """A scoring of ``prompts`` run to its end, its KV blocks given back."""
         scoring = self.start_scoring(prompts, num_top)
         try:
             while not scoring.done:
                 scoring.step()
         finally:
             scoring.close()
-        return scoring.prompt_logprobs()
+        return scoring
 
     def start_scoring(self, prompts: list[list[int]], num_top: int | None) -> "PromptScoring":
         """A scoring of ``prompts`` to advance one forward at a time (:meth:`PromptScoring.step`;

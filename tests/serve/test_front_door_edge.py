@@ -31,6 +31,7 @@ def server(tiny_mixtral_dir, tmp_path_factory):
     settings = (f"routers: 1\nexpert_workers: 1\nserve:\n  served_model_name: tiny\n  api_keys: [{KEY}]\n"
                 f"  api_key_file: {folder / 'keys.txt'}\n  cors_allow_origins: ['{ORIGIN}']\n"
                 f"  body_timeout_s: 15\n  body_min_bytes_per_s: 0\n  max_open_requests: 2100\n"
+                f"  max_requests_per_client: 256\n"
                 f"  keep_alive_timeout_s: 2\n  header_timeout_s: 3\n")
     yield from served(folder, tiny_mixtral_dir, settings, env={"RAYMOE_API_KEY": ENV_KEY, "RAYMOE_ADMIN_TOKEN": ADMIN})
 
