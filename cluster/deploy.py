@@ -36,7 +36,7 @@ from raymoe.engine.scheduler import SchedulerConfig
 from raymoe.engine.weights import validate_checkpoint
 from raymoe.kernels.comm import CommBackend
 from raymoe.moe.capacity import CapacityConfig
-from raymoe.moe.initial_placement import initial_placement
+from raymoe.moe.memory_plan import worker_pool_rows
 from raymoe.moe.model_config import ModelConfig, load_model_config
 from raymoe.moe.placement import PlacementTable
 from raymoe.moe.rebalance_policy import RebalancePolicy
@@ -239,20 +239,13 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     worker_nodes = [bundle_nodes[w // per_node] for w in range(config.expert_workers)]
     node_index = {node: i for i, node in enumerate(dict.fromkeys(worker_nodes))}
     # Step 3: the one placement table.
-    placement = initial_placement(
-        num_layers=len(model_config.moe_layers),
-        num_experts=model_config.num_experts,
-        num_workers=config.expert_workers,
-        strategy=config.placement.strategy.value,
-        redundant_slots_per_worker=config.placement.redundant_slots_per_worker,
-        explicit=config.placement.experts,
-        explicit_layers=config.placement.layers,
-        worker2node=[node_index[n] for n in worker_nodes],
-    )
+    placement = config.initial_placement(len(model_config.moe_layers), model_config.num_experts,
+                                         worker2node=[node_index[n] for n in worker_nodes])
     # Step 4: actors. Workers load their own experts; routers the dense weights.
     concurrency = config.routers + ACTOR_CONCURRENCY_SLACK
     balancer = config.balancer
-    spare_rows = min(placement.slots_per_worker, balancer.max_copies_per_rebalance) if balancer.enabled else 0
+    # The rows `raymoe plan memory --config` and serve's memory check count (moe/memory_plan.py).
+    spare_rows = worker_pool_rows(placement.slots_per_worker, balancer.enabled, balancer.max_copies_per_rebalance).spare
     worker_class = ray.remote(ExpertWorker)
     threads = [None if gpus else config.cpu.worker_threads] * config.expert_workers
     # CPU actors: the malloc they start with (engine/host_memory.py; jemalloc where found).

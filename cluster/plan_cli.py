@@ -4,6 +4,7 @@
     raymoe plan balance  --load LOAD.json --workers W --slots-per-worker S [--current CUR.json]
     raymoe plan simulate --experts E --workers W --slots-per-worker S [--traffic zipf] [--plot F.png]
     raymoe plan memory   --model DIR|PRESET --gpus G [--redundant D]
+    raymoe plan memory   --config FILE [--model DIR|PRESET] [--gpu-memory-gb G]
 
 Every subcommand prints tables, or one JSON object with ``--json``. LOAD.json is
 ``{"load": [[per-expert load] per layer]}``; a placement's ``placement`` is, per layer,
@@ -274,11 +275,17 @@ def plot_worker_loads(path: Path, before: list, after: list, label: str, layer: 
 
 # ---- memory ----------------------------------------------------------------------------
 def _add_memory(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("memory", help="weight memory per GPU and whether it fits")
-    parser.add_argument("--model", required=True, help="directory with config.json, or a preset name")
-    parser.add_argument("--gpus", type=int, required=True)
+    parser = commands.add_parser("memory", help="memory per GPU and whether it fits (weights, or a whole config)")
+    parser.add_argument("--config", type=Path,
+                        help="a cluster config: every router and worker as deploy builds them (rows, KV cache, "
+                             "activations); exit 1 when a rank does not fit")
+    parser.add_argument("--model", help="directory with config.json, or a preset name (with --config: instead "
+                                        "of the config's model)")
+    parser.add_argument("--gpus", type=int, help="weights only (without --config): GPUs to spread over")
     parser.add_argument("--redundant", type=int, default=0, help="redundant expert slots per layer")
-    parser.add_argument("--gpu-memory-gb", type=float, default=141.0, help="per GPU, decimal GB (H200: 141)")
+    parser.add_argument("--gpu-memory-gb", type=float, default=None,
+                        help="per GPU, decimal GB (default 141, an H200; with --config 80, an H100, and on a "
+                             "device: cpu config this host's memory shared by all ranks)")
     parser.add_argument("--bytes-per-param", type=float, help="override the checkpoint's dtype")
     parser.add_argument("--kv-bytes-per-value", type=int, default=2,
                         help="bytes per KV-cache value (2: a bfloat16/float16 cache, 4: float32)")
@@ -289,6 +296,12 @@ def _add_memory(commands: argparse._SubParsersAction) -> None:
 def _run_memory(args: argparse.Namespace) -> int:
     from raymoe.moe.cost_model import load_model_shape, memory_per_rank
 
+    if args.config is not None:
+        return _run_config_memory(args)
+    if args.model is None or args.gpus is None:
+        print("raymoe plan memory: give --config FILE, or --model and --gpus", file=sys.stderr)
+        return 2
+    args.gpu_memory_gb = 141.0 if args.gpu_memory_gb is None else args.gpu_memory_gb
     shape = load_model_shape(args.model, args.bytes_per_param)
     estimate = memory_per_rank(shape, args.gpus, args.redundant, args.gpu_memory_gb * 1e9)
     gb = 1e9
@@ -307,6 +320,72 @@ def _run_memory(args: argparse.Namespace) -> int:
     rows.append(("KV tokens per GB", f"{kv_tokens:,}" if kv_tokens else "n/a"))
     output = {**estimate.to_dict(), "kv_cache_bytes_per_token": kv_bytes, "kv_cache_tokens_per_gb": kv_tokens}
     return _emit(args, output, rows)
+
+
+def _run_config_memory(args: argparse.Namespace) -> int:
+    """Every rank of a cluster config: exit 0 when each fits, 1 naming the one that does not."""
+    from raymoe.cluster.config import ConfigError, load_cluster_config
+    from raymoe.cluster.memory_check import host_memory, judge, plan_config_memory, read_model
+
+    try:
+        config = load_cluster_config(str(args.config))
+        raw_model, model_name = read_model(args.model or config.model)
+    except (ConfigError, OSError, ValueError) as error:
+        print(f"raymoe plan memory: {error}", file=sys.stderr)
+        return 2
+    # cuda unless the config says cpu (auto: cuda with --gpu-memory-gb or a GPU here).
+    device = config.device.value
+    if device == "auto":
+        import torch
+
+        device = "cuda" if args.gpu_memory_gb is not None or torch.cuda.is_available() else "cpu"
+    plan = plan_config_memory(config, raw_model, device)
+    if args.gpu_memory_gb is not None:
+        verdict = judge(plan, args.gpu_memory_gb * 1e9, False, f"--gpu-memory-gb {args.gpu_memory_gb:g}")
+    elif device == "cpu":
+        verdict = judge(plan, host_memory()[0], True, "this host's MemTotal")
+    else:
+        verdict = judge(plan, 80e9, False, "an 80 GB H100 (--gpu-memory-gb)")
+    output = {"fits": verdict.fits, "problem": verdict.problem, "config": str(args.config), "model": model_name,
+              "device": device, "capacity_bytes": verdict.capacity_bytes, "capacity_source": verdict.capacity_source,
+              "shared_host": verdict.shared_host, **plan.to_dict()}
+    if args.json:
+        json.dump(output, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        _print_config_memory(plan, verdict, model_name, device)
+    if not verdict.fits:
+        print(f"raymoe plan memory: {verdict.problem}", file=sys.stderr)
+    return 0 if verdict.fits else 1
+
+
+def _print_config_memory(plan, verdict, model_name: str, device: str) -> None:
+    where = "shared by all ranks" if verdict.shared_host else "per rank"
+    print(f"{model_name} on {device}: {bytes_text(verdict.capacity_bytes)} {where} ({verdict.capacity_source})")
+    print(f"{'rank':<10} {'peak':>9}  parts")
+    seen = set()
+    for rank in plan.ranks:
+        kind = rank.rank.split()[0]
+        same = (kind, rank.peak_bytes)
+        if same in seen:  # every router (worker) of a config needs the same: print the first
+            continue
+        seen.add(same)
+        count = sum(1 for other in plan.ranks if (other.rank.split()[0], other.peak_bytes) == same)
+        label = f"{kind} x{count}" if count > 1 else rank.rank
+        if kind == "router":
+            parts = (f"dense {bytes_text(rank.dense_bytes)}, KV cache {bytes_text(rank.kv_cache_bytes)} "
+                     f"({rank.kv_cache_tokens:,} tokens{'; engine.kv_cache_bytes capped at max_num_seqs x max_model_len' if rank.kv_cache_capped else ''}), activations {bytes_text(rank.activation_bytes)}, "
+                     f"score logits {bytes_text(rank.score_logits_bytes)}, reserve {bytes_text(rank.reserve_bytes)}")
+        else:
+            parts = (f"{rank.slots} slots + {rank.spare_rows} spare rows/layer: pool {bytes_text(rank.pool_bytes)}"
+                     + (f", packed {bytes_text(rank.packed_bytes)}" if rank.packed_bytes else "")
+                     + f", staging {bytes_text(rank.staging_bytes)}, activations {bytes_text(rank.activation_bytes)}, "
+                     f"reserve {bytes_text(rank.reserve_bytes)}; serving {bytes_text(rank.serving_bytes)}, "
+                     f"recovery reload peak {bytes_text(rank.reload_peak_bytes)}")
+        print(f"{label:<10} {bytes_text(rank.peak_bytes):>9}  {parts}")
+    if verdict.shared_host:
+        print(f"{'all ranks':<10} {bytes_text(plan.total_bytes):>9}")
+    print(f"fits: {'yes' if verdict.fits else 'no'}")
 
 
 def count_text(count: float) -> str:

@@ -90,6 +90,10 @@ def _run(args: argparse.Namespace) -> int:
     )
     config = msgspec.structs.replace(config, serve=serve_section)
     started_ray = not _ray_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
+    problem = _memory_problem(config, started_ray)
+    if problem is not None:  # before Ray or any actor starts, with the rank and its bytes: exit 2
+        print(f"raymoe serve: {problem}", file=sys.stderr)
+        return 2
     problem = _port_problem(config.serve.host, config.serve.port) if started_ray else None
     if problem is not None:  # a local server: its port must be free before anything starts
         print(f"raymoe serve: {problem}", file=sys.stderr)
@@ -228,6 +232,36 @@ def _checkpoint_problem(model_dir: str) -> str | None:
         detail = "; ".join(lines[:3]) + (f" (and {len(lines) - 3} more)" if len(lines) > 3 else "")
         return f"checkpoint {model_dir}: {detail or type(error).__name__}"
     return None
+
+
+def _memory_problem(config: ClusterConfig, started_ray: bool) -> str | None:
+    """Why some rank cannot fit its memory, in one line naming the rank, the bytes it needs and
+    has, and the setting to lower (cluster/memory_check.py, as `raymoe plan memory --config`),
+    or None. On GPUs each rank is held to this machine's GPU (none here: not checked); on CPU
+    with a Ray of its own every rank shares this host's MemTotal (on a cluster it joins, the
+    ranks' nodes are not known here: not checked)."""
+    from raymoe.cluster.memory_check import host_memory, judge, local_gpu_memory, plan_config_memory, read_model
+
+    device = config.device.value
+    gpu_memory = local_gpu_memory() if device in ("cuda", "auto") else None
+    if device == "auto" and gpu_memory is None:
+        device = "cpu"
+    if device == "cpu" and not started_ray:
+        return None
+    if device != "cpu" and gpu_memory is None:
+        return None
+    raw_model, _ = read_model(config.model)
+    device = "cpu" if device == "cpu" else "cuda"
+    plan = plan_config_memory(config, raw_model, device)
+    if device == "cpu":
+        total, available = host_memory()
+        verdict = judge(plan, total, True, "this host's MemTotal")
+        if verdict.fits and plan.total_bytes > available:
+            print(f"raymoe serve: the ranks may need up to {plan.total_bytes} bytes of memory, more than the "
+                  f"{available} available now (MemAvailable)", file=sys.stderr)
+    else:
+        verdict = judge(plan, gpu_memory, False, "this machine's GPU 0")
+    return verdict.problem
 
 
 def _ray_initialized() -> bool:

@@ -1,7 +1,7 @@
 """The config.json fields the cost model reads, for models named on the command line.
 
 Values are copied from each model's published config.json (only the fields that size
-parameters). The cost model parses these exactly as it parses a checkpoint's own file.
+parameters, and the context length that sizes a KV cache). The cost model parses these exactly as it parses a checkpoint's own file.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ def model_presets() -> dict[str, dict[str, Any]]:
             "num_local_experts": 8,
             "num_experts_per_tok": 2,
             "vocab_size": 32000,
+            "max_position_embeddings": 32768,
             "tie_word_embeddings": False,
             "torch_dtype": "bfloat16",
         },
@@ -45,6 +46,7 @@ def model_presets() -> dict[str, dict[str, Any]]:
             "topk_group": 4,
             "num_experts_per_tok": 8,
             "vocab_size": 129280,
+            "max_position_embeddings": 163840,
             "tie_word_embeddings": False,
             "torch_dtype": "bfloat16",
             "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
@@ -63,6 +65,7 @@ def model_presets() -> dict[str, dict[str, Any]]:
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
             "vocab_size": 151936,
+            "max_position_embeddings": 40960,
             "tie_word_embeddings": False,
             "torch_dtype": "bfloat16",
         },
