@@ -250,9 +250,12 @@ def _memory_problem(config: ClusterConfig, started_ray: bool) -> str | None:
         return None
     if device != "cpu" and gpu_memory is None:
         return None
-    raw_model, _ = read_model(config.model)
     device = "cpu" if device == "cpu" else "cuda"
-    plan = plan_config_memory(config, raw_model, device)
+    try:
+        plan = plan_config_memory(config, read_model(config.model)[0], device)
+    except (ValueError, KeyError, OSError) as error:  # a model the planner cannot size: serve, unchecked
+        print(f"raymoe serve: memory not checked ({type(error).__name__}: {error})", file=sys.stderr)
+        return None
     if device == "cpu":
         total, available = host_memory()
         verdict = judge(plan, total, True, "this host's MemTotal")

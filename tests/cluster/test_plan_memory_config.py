@@ -89,3 +89,27 @@ def test_text_output_and_a_cpu_config_against_this_host(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "shared by all ranks (this host's MemTotal)" in out and "fits: yes" in out
     assert "router x2" in out and "worker x3" in out and "recovery reload peak" in out
+
+
+def test_serve_checks_gpus_per_rank_and_a_cpu_host_only_when_it_starts_ray(tmp_path, monkeypatch):
+    from raymoe.cluster import memory_check, serve_cli
+    from raymoe.cluster.config import parse_cluster_config
+    from raymoe.engine.demo_model import write_demo_model
+
+    model = write_demo_model(str(tmp_path / "demo"))
+
+    def config(device: str, kv_bytes: int):
+        return parse_cluster_config({"model": model, "device": device, "routers": 1, "expert_workers": 2,
+                                     "engine": {"kv_cache_bytes": kv_bytes, "max_num_seqs": 10**8}}, "test.yaml")
+
+    huge = 10**13
+    assert serve_cli._memory_problem(config("cpu", huge), started_ray=False) is None  # ranks on unknown nodes
+    assert "router 0 needs 10 TB" in serve_cli._memory_problem(config("cpu", huge), started_ray=True)
+    assert serve_cli._memory_problem(config("cpu", 2**20), started_ray=True) is None
+    monkeypatch.setattr(memory_check, "local_gpu_memory", lambda: None)
+    assert serve_cli._memory_problem(config("cuda", huge), started_ray=True) is None  # no GPU here: not known
+    monkeypatch.setattr(memory_check, "local_gpu_memory", lambda: 80 * 10**9)
+    problem = serve_cli._memory_problem(config("cuda", 100 * 10**9), started_ray=False)
+    assert "router 0 needs" in problem and "80000000000 bytes, this machine's GPU 0" in problem
+    assert "lower engine.kv_cache_bytes" in problem
+    assert serve_cli._memory_problem(config("cuda", 10 * 10**9), started_ray=False) is None
