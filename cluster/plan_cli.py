@@ -373,8 +373,9 @@ def _print_config_memory(plan, verdict, model_name: str, device: str) -> None:
         count = sum(1 for other in plan.ranks if (other.rank.split()[0], other.peak_bytes) == same)
         label = f"{kind} x{count}" if count > 1 else rank.rank
         if kind == "router":
+            capped = "; engine.kv_cache_bytes capped at max_num_seqs x max_model_len" if rank.kv_cache_capped else ""
             parts = (f"dense {bytes_text(rank.dense_bytes)}, KV cache {bytes_text(rank.kv_cache_bytes)} "
-                     f"({rank.kv_cache_tokens:,} tokens{'; engine.kv_cache_bytes capped at max_num_seqs x max_model_len' if rank.kv_cache_capped else ''}), activations {bytes_text(rank.activation_bytes)}, "
+                     f"({rank.kv_cache_tokens:,} tokens{capped}), activations {bytes_text(rank.activation_bytes)}, "
                      f"score logits {bytes_text(rank.score_logits_bytes)}, reserve {bytes_text(rank.reserve_bytes)}")
         else:
             parts = (f"{rank.slots} slots + {rank.spare_rows} spare rows/layer: pool {bytes_text(rank.pool_bytes)}"
