@@ -11,6 +11,8 @@ Used by ``raymoe plan memory --config`` and by ``raymoe serve`` before anything 
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,12 +84,20 @@ def host_memory() -> tuple[int, int]:
 
 
 def local_gpu_memory() -> int | None:
-    """Total memory of this machine's first CUDA device in bytes, or None without one."""
-    import torch
+    """Total memory of this machine's smallest GPU in bytes (nvidia-smi), or None without one.
 
-    if not torch.cuda.is_available():
+    Asked of nvidia-smi rather than torch: torch.cuda would open a CUDA context on GPU 0 in
+    the serving process for its whole life, memory a router or worker then lacks."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
         return None
-    return int(torch.cuda.get_device_properties(0).total_memory)
+    try:
+        done = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    sizes = [int(value) for value in done.stdout.split() if value.isdigit()] if done.returncode == 0 else []
+    return min(sizes) * 2**20 if sizes else None  # MiB
 
 
 @dataclass(frozen=True)

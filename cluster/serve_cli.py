@@ -237,7 +237,7 @@ def _checkpoint_problem(model_dir: str) -> str | None:
 def _memory_problem(config: ClusterConfig, started_ray: bool) -> str | None:
     """Why some rank cannot fit its memory, in one line naming the rank, the bytes it needs and
     has, and the setting to lower (cluster/memory_check.py, as `raymoe plan memory --config`),
-    or None. On GPUs each rank is held to this machine's GPU (none here: not checked); on CPU
+    or None. On GPUs each rank is held to this machine's smallest GPU (none here: not checked); on CPU
     with a Ray of its own every rank shares this host's MemTotal (on a cluster it joins, the
     ranks' nodes are not known here: not checked)."""
     from raymoe.cluster.memory_check import host_memory, judge, local_gpu_memory, plan_config_memory, read_model
@@ -263,7 +263,7 @@ def _memory_problem(config: ClusterConfig, started_ray: bool) -> str | None:
             print(f"raymoe serve: the ranks may need up to {plan.total_bytes} bytes of memory, more than the "
                   f"{available} available now (MemAvailable)", file=sys.stderr)
     else:
-        verdict = judge(plan, gpu_memory, False, "this machine's GPU 0")
+        verdict = judge(plan, gpu_memory, False, "this machine's GPU (nvidia-smi)")
     return verdict.problem
 
 

@@ -110,6 +110,18 @@ def test_serve_checks_gpus_per_rank_and_a_cpu_host_only_when_it_starts_ray(tmp_p
     assert serve_cli._memory_problem(config("cuda", huge), started_ray=True) is None  # no GPU here: not known
     monkeypatch.setattr(memory_check, "local_gpu_memory", lambda: 80 * 10**9)
     problem = serve_cli._memory_problem(config("cuda", 100 * 10**9), started_ray=False)
-    assert "router 0 needs" in problem and "80000000000 bytes, this machine's GPU 0" in problem
+    assert "router 0 needs" in problem and "80000000000 bytes, this machine's GPU (nvidia-smi)" in problem
     assert "lower engine.kv_cache_bytes" in problem
     assert serve_cli._memory_problem(config("cuda", 10 * 10**9), started_ray=False) is None
+
+
+def test_gpu_memory_comes_from_nvidia_smi_without_touching_cuda(tmp_path, monkeypatch):
+    import os
+
+    from raymoe.cluster import memory_check
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 81559\necho 81559\n")  # MiB, as an H100 80GB reports it
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert memory_check.local_gpu_memory() == 81559 * 2**20
