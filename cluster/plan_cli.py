@@ -331,7 +331,8 @@ def _run_config_memory(args: argparse.Namespace) -> int:
         config = load_cluster_config(str(args.config))
         raw_model, model_name = read_model(args.model or config.model)
     except (ConfigError, OSError, ValueError) as error:
-        print(f"raymoe plan memory: {error}", file=sys.stderr)
+        hint = "" if args.model else " (name one with --model DIR|PRESET)"
+        print(f"raymoe plan memory: {error}{hint}", file=sys.stderr)
         return 2
     # cuda unless the config says cpu (auto: cuda with --gpu-memory-gb or a GPU here).
     device = config.device.value
