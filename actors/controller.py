@@ -38,6 +38,17 @@ from raymoe.moe.placement import PlacementTable
 from raymoe.moe.rebalance_policy import RebalanceDecision, RebalancePolicy, decide, placement_balancedness
 
 CALL_TIMEOUT_S = 60.0
+# Loading the placement into a restarted worker (ExpertWorker.load_placement) reads up to its
+# whole expert pool from the checkpoint and packs it: its deadline grows with the pool's bytes,
+# RELOAD_FLOOR_S plus the bytes at RELOAD_MIN_BYTES_PER_S, a rate below what a cold local disk
+# or a network filesystem gives (a CPU worker here loads and packs ~0.6 GB/s from the page
+# cache); 16 GiB of experts get 60 + 328 s. A reload that still times out is tried again
+# (the worker serializes reloads: a retry waits for the one still running, then finds every
+# row in place), RELOAD_ATTEMPTS tries in all, RELOAD_FIRST_BACKOFF_S doubling between them.
+RELOAD_FLOOR_S = 60.0
+RELOAD_MIN_BYTES_PER_S = 50 * 2**20
+RELOAD_ATTEMPTS = 3
+RELOAD_FIRST_BACKOFF_S = 2.0
 PING_TIMEOUT_S = 5.0  # a worker that cannot answer `info` in this long is treated as lost
 MIGRATION_TIMEOUT_S = 60.0  # deadline of one layer's copy collective (weights are large)
 RESTART_TIMEOUT_S = 300.0
@@ -66,7 +77,8 @@ MIGRATION_CLEANUP_WAIT_S = 10.0
 # and skipped" from "it never decided", and "it retried" from "it worked the first time".
 COUNTERS = ("rebalance_decisions_taken", "rebalance_decisions_skipped", "rebalances_deferred", "recoveries",
             "recoveries_on_replicas", "reinclude_attempts", "reinclude_failures", "reincludes",
-            "reinclude_rollbacks", "repeated_step_failures", "rebalance_failures", "migration_group_rebuilds")
+            "reinclude_rollbacks", "repeated_step_failures", "rebalance_failures", "migration_group_rebuilds",
+            "reload_timeouts")
 
 
 class InjectedFault(RuntimeError):
@@ -123,12 +135,35 @@ def _is_comm_error(message: str) -> bool:
                                                                              comm_errors.CommError)
 
 
-def _until_available(call, timeout_s: float = RESTART_TIMEOUT_S) -> Any:
-    """``ray.get(call())``, retried while the actor is between restarts."""
+def reload_deadline_s(pool_bytes: int) -> float:
+    """How long one ``load_placement`` of a worker whose pool holds ``pool_bytes`` may take."""
+    return RELOAD_FLOOR_S + max(0, pool_bytes) / RELOAD_MIN_BYTES_PER_S
+
+
+def retry_on_timeout(attempt, what: str, attempts: int = RELOAD_ATTEMPTS, first_backoff_s: float = RELOAD_FIRST_BACKOFF_S,
+                     on_timeout=None, sleep=None) -> Any:
+    """``attempt()``, tried again after a ``GetTimeoutError`` (``first_backoff_s``, doubling),
+    ``attempts`` tries in all; the last timeout is raised, saying how many tries there were.
+    ``on_timeout(error)`` is called for each timeout (a counter)."""
+    backoff = first_backoff_s
+    for number in range(1, attempts + 1):
+        try:
+            return attempt()
+        except ray.exceptions.GetTimeoutError as error:
+            if on_timeout is not None:
+                on_timeout(error)
+            if number == attempts:
+                raise ray.exceptions.GetTimeoutError(f"{what} timed out {attempts} times: {error}") from error
+            (sleep or time.sleep)(backoff)
+            backoff *= 2
+
+
+def _until_available(call, timeout_s: float = RESTART_TIMEOUT_S, call_timeout_s: float = CALL_TIMEOUT_S) -> Any:
+    """``ray.get(call(), timeout=call_timeout_s)``, retried while the actor is between restarts."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return ray.get(call(), timeout=CALL_TIMEOUT_S)
+            return ray.get(call(), timeout=call_timeout_s)
         except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
             if time.monotonic() > deadline:
                 raise
@@ -156,6 +191,9 @@ class Controller:
         # A worker Ray has already restarted answers pings; its new pid gives it away.
         worker_infos = ray.get([w.info.remote() for w in workers], timeout=CALL_TIMEOUT_S)
         self.worker_pids = [info["pid"] for info in worker_infos]
+        # Every worker's pool has the same rows (the reload deadline's bytes); a worker whose
+        # reload failed midway may report less.
+        self.pool_bytes = max(info.get("pool_bytes", 0) for info in worker_infos)
         self.workers = workers
         self.placement = PlacementTable.from_dict(placement)
         self.policy = policy
@@ -469,14 +507,14 @@ class Controller:
                 ray.kill(self.workers[index], no_restart=False)
             lost = sorted(lost + frozen)
             for index in restarted:  # back already: it serves the placement in service
-                self.worker_pids[index] = self._wait_restarted(self.workers[index])
-                _until_available(lambda w=self.workers[index]: w.load_placement.remote(self.placement.to_dict()))
+                self.worker_pids[index] = self._wait_restarted(self.workers[index], self._restart_timeout_s())
+                self._reload(index, self.placement)
             if lost and self.degraded is None and self._covered_without(lost):
                 return self._serve_on_replicas(lost, restarted, started)
             # Step 3: wait for them, then give them the placement in service.
             for index in lost:
-                self.worker_pids[index] = self._wait_restarted(self.workers[index])
-                _until_available(lambda w=self.workers[index]: w.load_placement.remote(self.placement.to_dict()))
+                self.worker_pids[index] = self._wait_restarted(self.workers[index], self._restart_timeout_s())
+                self._reload(index, self.placement)
             lost = sorted(lost + restarted)
             # Step 3b: a restarted router (its requests were retried elsewhere by the ingress)
             # gets the supervisor and the placement in service back.
@@ -623,7 +661,7 @@ class Controller:
         the replicas (the degraded placement, groups over the survivors) before it is raised,
         so requests wait a moment but are never lost."""
         lost = self.degraded["lost"]
-        pids = {index: self._wait_restarted(self.workers[index]) for index in lost}
+        pids = {index: self._wait_restarted(self.workers[index], self._restart_timeout_s()) for index in lost}
         with self._recover_lock:
             if self.degraded is None:
                 return
@@ -633,7 +671,7 @@ class Controller:
             for index in lost:
                 self.worker_pids[index] = pids[index]
                 self._fault("reinclude_load")
-                _until_available(lambda w=self.workers[index]: w.load_placement.remote(restored.to_dict()))
+                self._reload(index, restored)
             survivors = [w for w in range(len(self.workers)) if w not in lost]
             try:
                 self._switch_groups(restored, current.epoch, survivors, list(range(len(self.workers))),
@@ -694,16 +732,33 @@ class Controller:
         ray.get([w.join_migration.remote(backend, rendezvous, world, max(self.groups["timeout_s"], MIGRATION_TIMEOUT_S))
                  for w in self.workers], timeout=CALL_TIMEOUT_S)
 
-    def _wait_restarted(self, actor: Any) -> int:
+    def _wait_restarted(self, actor: Any, timeout_s: float = RESTART_TIMEOUT_S) -> int:
         """Wait until ``worker`` answers again; returns its pid."""
-        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
                 return ray.get(actor.info.remote(), timeout=PING_TIMEOUT_S)["pid"]
             except LOST:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"a lost actor did not restart within {RESTART_TIMEOUT_S} s") from None
+                    raise RuntimeError(f"a lost actor did not restart within {timeout_s:.0f} s") from None
                 time.sleep(0.5)
+
+    def _restart_timeout_s(self) -> float:
+        """A restarted worker answers once its constructor loaded its experts: the restart
+        deadline plus one reload's."""
+        return RESTART_TIMEOUT_S + reload_deadline_s(self.pool_bytes)
+
+    def _reload(self, index: int, table: PlacementTable) -> dict[str, Any]:
+        """Load ``table`` into restarted worker ``index``: a deadline from its pool's bytes,
+        retried on a timeout (``retry_on_timeout``), waiting out further restarts meanwhile."""
+        deadline_s = reload_deadline_s(self.pool_bytes)
+        placement = table.to_dict()
+        return retry_on_timeout(
+            lambda: _until_available(lambda: self.workers[index].load_placement.remote(placement),
+                                     call_timeout_s=deadline_s),
+            what=f"loading the placement into worker {index} ({self.pool_bytes / 2**30:.2f} GiB pool, "
+                 f"{deadline_s:.0f} s a try)",
+            on_timeout=lambda error: self._count("reload_timeouts"))
 
     # ---- status ---------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from raymoe.actors.cpu_affinity import pin_current_thread
 from raymoe.actors.devices import actor_cuda_device
 from raymoe.engine.ep_exchange import GroupLayout, WorkerExchange
 from raymoe.engine.host_memory import allocator_in_use, keep_freed_memory
-from raymoe.engine.weights import load_expert_stack
+from raymoe.engine.weights import load_expert_stack, read_expert_into
 from raymoe.kernels import native_cpu, packed_linear
 from raymoe.kernels.comm import CommBackend, make_communicator, new_rendezvous
 from raymoe.kernels.comm.base import Communicator
@@ -58,6 +58,76 @@ class InjectedWorkerFault(RuntimeError):
 
 class StaleStagedRows(RuntimeError):
     """``activate`` found staged rows it must not serve (another epoch's, or another expert's)."""
+
+
+SAVED_ROW = -1  # plan_row_moves: "copy from the row saved aside" (a cycle's one spare copy)
+
+
+def plan_row_moves(held: list[int | None], target: list[int]) -> list[tuple]:
+    """The steps that turn a pool layer whose rows hold ``held`` (an expert, or None: unknown)
+    into one whose rows hold ``target`` (-1: a spare row), in place, in order:
+
+    - ``("copy", row, source)``: copy row ``source`` (or ``SAVED_ROW``) into ``row``;
+    - ``("save", row)``: keep a copy of ``row`` aside (at most one at a time: a cycle of moves);
+    - ``("load", row, expert)``: read ``expert`` from the checkpoint into ``row``.
+
+    Rows already holding their target are not touched, nor are spare rows (-1: nothing reads
+    them before a migration stages into them); an expert held elsewhere in the layer
+    is copied, never read again, and a row is overwritten only after every row that copies
+    from it was written. Pure: tests check it against a simulation."""
+    rows = len(target)
+    kept = {row for row in range(rows) if target[row] >= 0 and held[row] == target[row]}
+    done = kept | {row for row in range(rows) if target[row] < 0}  # never written
+
+    where: dict[int, int] = {}  # expert -> a row holding it now (a kept one where there is one)
+    for row in range(rows):
+        expert = held[row]
+        if expert is not None and expert >= 0 and (expert not in where or row in kept):
+            where[expert] = row
+    source: dict[int, int] = {}  # row -> the row whose current contents it takes
+    taker: dict[int, int] = {}  # row -> the row that takes its current contents
+    action: dict[int, tuple] = {}
+    first: dict[int, int] = {}  # expert -> the row that receives it first (duplicates copy from there)
+    duplicates: list[tuple] = []
+    for row in range(rows):
+        if row in done:
+            continue
+        expert = target[row]
+        if expert in where and where[expert] in kept:
+            action[row] = ("copy", row, where[expert])
+        elif expert in first:
+            duplicates.append(("copy", row, first[expert]))
+            done.add(row)  # written last, from a row written by then
+            continue
+        elif expert in where:
+            source[row] = taker_of = where[expert]
+            taker[taker_of] = row
+            action[row] = ("copy", row, taker_of)
+        else:
+            action[row] = ("load", row, expert)
+        first[expert] = row
+    ops: list[tuple] = []
+
+    def drain(row: int | None) -> None:
+        """Write ``row``, then the row it copied from (nobody needs its contents any more), ..."""
+        while row is not None and row not in done:
+            ops.append(action[row])
+            done.add(row)
+            row = source.get(row)
+            if row == SAVED_ROW:
+                row = None
+
+    for row in range(rows):  # chains: start where nobody needs a row's contents
+        if row not in done and row not in taker:
+            drain(row)
+    for row in range(rows):  # what is left are cycles of copies: one row goes aside, then the rest
+        if row not in done:
+            ops.append(("save", row))
+            needs = taker[row]
+            source[needs] = SAVED_ROW
+            action[needs] = ("copy", needs, SAVED_ROW)
+            drain(row)
+    return ops + duplicates
 
 
 class ExpertWorker:
@@ -93,40 +163,107 @@ class ExpertWorker:
         self.max_epoch = 0  # the largest epoch this process ever staged, served or discarded
         self._staging_lock = threading.Lock()  # staging and discarding, from different Ray call threads
         self._faults: dict[str, int] = {}  # worker fault point -> how many more times it fails
+        self._load_lock = threading.Lock()  # one load_placement at a time
+        self.w13: list[torch.Tensor] = []  # per MoE layer: [S + spare, 2I, D]
+        self.w2: list[torch.Tensor] = []  # per MoE layer: [S + spare, D, I]
+        self.slot_rows: dict[int, list[list[int]]] = {}
+        self.experts: dict[int, list[list[int]]] = {}
+        self.staged: dict[tuple[int, int, int], tuple[int, int]] = {}
         self.load_placement(placement)
         # The kernel its experts run on (kernels/native_cpu.py), built now rather than in the first step.
         self.expert_kernel = native_cpu.kernel_name(torch.empty(1, self.config.hidden_size, dtype=self.dtype,
                                                                     device=self.device), self.w13[0], self.w2[0])
 
-    def load_placement(self, placement: dict[str, Any]) -> None:
+    def load_placement(self, placement: dict[str, Any]) -> dict[str, Any]:
         """(Re)load this worker's experts for ``placement`` from the checkpoint, forgetting older epochs.
 
         A restarted worker is constructed with the placement it started with; the supervisor
-        calls this with the current one before the worker serves again.
+        calls this with the current one before the worker serves again (never while it serves).
+        It never holds the experts twice: a pool of the same shape is rewritten in place, one
+        MoE layer at a time (rows already holding their new expert stay, others move within the
+        layer through at most one spare row's copy, the rest are read from the checkpoint
+        straight into their rows); a pool of another shape is dropped layer by layer before its
+        replacement is allocated. Calls are serialized (a retried call waits for the one still
+        running, then finds every row in place). Returns what it did (bytes read, rows moved).
         """
-        table = PlacementTable.from_dict(placement)
+        with self._load_lock:
+            return self._load_placement(PlacementTable.from_dict(placement))
+
+    def _load_placement(self, table: PlacementTable) -> dict[str, Any]:
+        checkpoint = Checkpoint(self.model_dir)
+        rows_per_layer = table.slots_per_worker + self.spare_rows
+        held = self._held_rows() if self.w13 else None
+        reshaped = bool(self.w13) and (len(self.w13) != table.num_layers or self.w13[0].shape[0] != rows_per_layer)
+        # From here on no epoch describes the pool until the new one does (a failure midway
+        # leaves a worker that refuses to join, and a retried load makes it whole).
+        self.slot_rows, self.experts, self.staged = {}, {}, {}
+        self._publish_pool_rows()
+        if reshaped:
+            self.w13, self.w2, held = [], [], None
         self.slots = table.slots_per_worker
         self.num_layers = table.num_layers
-        checkpoint = Checkpoint(self.model_dir)
-        w13s: list[torch.Tensor] = []  # per MoE layer: [S + spare, 2I, D]
-        w2s: list[torch.Tensor] = []  # per MoE layer: [S + spare, D, I]
         padding = [-1] * self.spare_rows
+        row_bytes = 3 * self.config.moe_intermediate_size * self.config.hidden_size * self.dtype.itemsize
+        read = moved = 0
         for moe_layer, layer in enumerate(self.config.moe_layers):
-            experts = table.worker_experts(moe_layer, self.worker) + padding
-            w13, w2 = load_expert_stack(checkpoint, self.config, layer, experts, self.dtype, self.device)
-            native_cpu.prepare_experts(w13, w2)  # packed at load, not in the first requests' steps
-            w13s.append(w13)
-            w2s.append(w2)
-        self.w13, self.w2 = w13s, w2s
+            target = table.worker_experts(moe_layer, self.worker) + padding
+            if moe_layer < len(self.w13):  # in place, reusing the rows that hold an expert already
+                ops = plan_row_moves(held[moe_layer], target)
+                self._apply_row_moves(checkpoint, moe_layer, ops)
+                read += sum(op[0] == "load" for op in ops)
+                moved += sum(op[0] == "copy" for op in ops)
+            else:
+                w13, w2 = load_expert_stack(checkpoint, self.config, layer, target, self.dtype, self.device)
+                self.w13.append(w13)
+                self.w2.append(w2)
+                read += sum(expert >= 0 for expert in target)
+            native_cpu.prepare_experts(self.w13[moe_layer], self.w2[moe_layer])  # packed now, not in a step
         # epoch -> per layer, the pool row serving each of this worker's slots
-        self.slot_rows: dict[int, list[list[int]]] = {
-            table.epoch: [list(range(self.slots)) for _ in range(self.num_layers)]}
-        self.experts: dict[int, list[list[int]]] = {
-            table.epoch: [table.worker_experts(layer, self.worker) for layer in range(self.num_layers)]}
+        self.slot_rows = {table.epoch: [list(range(self.slots)) for _ in range(self.num_layers)]}
+        self.experts = {table.epoch: [table.worker_experts(layer, self.worker) for layer in range(self.num_layers)]}
         # (epoch, layer, slot) -> (pool row, the expert staged there; -1 when the sender did not say)
-        self.staged: dict[tuple[int, int, int], tuple[int, int]] = {}
+        self.staged = {}
         self.max_epoch = max(self.max_epoch, table.epoch)
         self._publish_pool_rows()
+        return {"worker": self.worker, "epoch": table.epoch, "bytes_read": read * row_bytes, "rows_read": read,
+                "rows_moved": moved, "pool_bytes": self.pool_bytes()}
+
+    def pool_bytes(self) -> int:
+        """Bytes of this worker's expert pool (every row of every MoE layer, packed copies not counted)."""
+        return sum(w.numel() * w.element_size() for stack in (self.w13, self.w2) for w in stack)
+
+    def _held_rows(self) -> list[list[int | None]]:
+        """Per MoE layer, the expert each pool row holds as far as this worker knows (an epoch
+        serves it or a migration staged it), else None."""
+        held: list[list[int | None]] = [[None] * stack.shape[0] for stack in self.w13]
+        for epoch, layers in self.slot_rows.items():
+            for layer, rows in enumerate(layers):
+                for slot, row in enumerate(rows):
+                    held[layer][row] = self.experts[epoch][layer][slot]
+        for (_, layer, _), (row, expert) in self.staged.items():
+            if expert >= 0:
+                held[layer][row] = expert
+        return held
+
+    def _apply_row_moves(self, checkpoint: Checkpoint, layer: int, ops: list[tuple]) -> None:
+        """Run :func:`plan_row_moves`' steps on MoE layer ``layer``'s pool, in order."""
+        w13, w2 = self.w13[layer], self.w2[layer]
+        saved: tuple[torch.Tensor, torch.Tensor] | None = None
+        for op in ops:
+            kind, row = op[0], op[1]
+            if kind == "save":
+                saved = (w13[row].clone(), w2[row].clone())
+            elif kind == "copy":
+                source = op[2]
+                w13[row].copy_(saved[0] if source == SAVED_ROW else w13[source])
+                w2[row].copy_(saved[1] if source == SAVED_ROW else w2[source])
+            else:  # "load"
+                read_expert_into(checkpoint, self.config, self.config.moe_layers[layer], op[2], w13[row], w2[row])
+        if any(op[0] == "load" for op in ops):
+            # Rows read from the file bypass torch: move the version counter so that the packed
+            # copies of the old contents (kernels/packed_linear.py's cache) are dropped and remade.
+            torch.autograd.graph.increment_version(w13)
+            torch.autograd.graph.increment_version(w2)
 
     def _publish_pool_rows(self) -> None:
         """The serving loop's view of ``slot_rows``: epoch -> per layer the pool row of each slot, as
@@ -136,7 +273,7 @@ class ExpertWorker:
                                   for rows in layers] for epoch, layers in self.slot_rows.items()}
 
     def info(self) -> dict[str, Any]:
-        latest = max(self.experts)
+        latest = max(self.experts) if self.experts else None  # None: a load_placement failed midway
         return {
             "worker": self.worker,
             "pid": os.getpid(),
@@ -147,7 +284,8 @@ class ExpertWorker:
             "expert_kernel": self.expert_kernel,  # native-avx512, onednn or torch (kernels/native_cpu.py)
             "niceness": os.nice(0),
             "epochs": sorted(self.slot_rows),
-            "experts": self.experts[latest],
+            "experts": self.experts[latest] if latest is not None else [],
+            "pool_bytes": self.pool_bytes(),
             "staged": sorted([epoch, layer, slot] for epoch, layer, slot in self.staged),
             "max_epoch": self.max_epoch,
             "discarded_epochs": sorted(self.discarded),
@@ -166,6 +304,9 @@ class ExpertWorker:
              timeout_s: float, generation: int = 0) -> None:
         """Join the deployment's group as ``rank`` (blocks until every rank joined), then serve
         it from a persistent loop until the group breaks or is replaced."""
+        if not self.slot_rows:
+            raise RuntimeError(f"worker {self.worker}: no placement loaded (a load_placement failed midway); "
+                               "load one before joining")
         layout = GroupLayout(num_routers, tuple(participants))
         comm = make_communicator(
             CommBackend(backend), rendezvous, rank=rank, world_size=layout.world_size, timeout_s=timeout_s,
@@ -395,10 +536,10 @@ class ExpertWorker:
         if not free:
             raise RuntimeError(f"worker {self.worker} layer {layer}: no free pool row for expert {expert}; "
                                "lower balancer.max_copies_per_rebalance")
-        w13, w2 = load_expert_stack(Checkpoint(self.model_dir), self.config, self.config.moe_layers[layer], [expert],
-                                    self.dtype, self.device)
-        self.w13[layer][free[0]].copy_(w13[0])
-        self.w2[layer][free[0]].copy_(w2[0])
+        read_expert_into(Checkpoint(self.model_dir), self.config, self.config.moe_layers[layer], expert,
+                         self.w13[layer][free[0]], self.w2[layer][free[0]])
+        torch.autograd.graph.increment_version(self.w13[layer])  # (read_expert_into bypasses torch)
+        torch.autograd.graph.increment_version(self.w2[layer])
         return free[0]
 
     def retire(self, epochs_below: int) -> None:

@@ -3,17 +3,31 @@
 A checkpoint is either one ``model.safetensors``, several shards listed by
 ``model.safetensors.index.json``, or several ``*.safetensors`` files without an index.
 Tensors are read one at a time, on demand, so an expert worker reads only its own experts.
+
+:meth:`Checkpoint.read_into` reads a tensor straight into memory the caller owns (an expert
+worker's pool row) with plain file reads: no mapping of the file, so its pages never count in
+the reader's resident memory, and no intermediate copy when the dtypes match.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import math
 import os
+import struct
 from typing import Iterable
 
 import torch
 from safetensors import safe_open
+
+
+# safetensors' dtype names (little-endian, as the format stores every tensor).
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class CheckpointError(ValueError):
@@ -25,6 +39,7 @@ class Checkpoint:
         self.model_dir = model_dir
         self._files: dict[str, str] = self._index(model_dir)
         self._handles: dict[str, object] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}  # path -> (data start, header)
 
     @staticmethod
     def _index(model_dir: str) -> dict[str, str]:
@@ -67,3 +82,46 @@ class Checkpoint:
         if path not in self._handles:
             self._handles[path] = safe_open(path, framework="pt")
         return self._handles[path]
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Read tensor ``name`` into ``out`` (same number of elements; converted to its dtype and
+        device). A contiguous CPU ``out`` of the stored dtype receives the file's bytes directly
+        (``preadv``); otherwise one tensor-sized host buffer is read and copied in."""
+        if name not in self._files:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
+        path = self._files[name]
+        start, header = self._header(path)
+        entry = header.get(name)
+        if entry is None or entry.get("dtype") not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: no readable entry for {name!r} ({entry})")
+        dtype, shape = SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"])
+        begin, end = entry["data_offsets"]
+        if math.prod(shape) != out.numel():
+            raise CheckpointError(f"{name}: {shape} in the checkpoint does not fit a tensor of shape {tuple(out.shape)}")
+        direct = out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous()
+        target = out if direct else torch.empty(shape, dtype=dtype)
+        if target.numel() == 0:
+            return
+        buffer = target.reshape(-1).view(torch.uint8).numpy()
+        if buffer.nbytes != end - begin:
+            raise CheckpointError(f"{path}: {name} holds {end - begin} bytes, its shape and dtype {buffer.nbytes}")
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            done, view = 0, memoryview(buffer)
+            while done < buffer.nbytes:
+                count = os.preadv(descriptor, [view[done:]], start + begin + done)
+                if count <= 0:
+                    raise CheckpointError(f"{path} ends before {name} does (truncated file?)")
+                done += count
+        finally:
+            os.close(descriptor)
+        if not direct:
+            out.copy_(target.view(out.shape))
+
+    def _header(self, path: str) -> tuple[int, dict]:
+        """Where the data of the safetensors file ``path`` starts, and its header."""
+        if path not in self._headers:
+            with open(path, "rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                self._headers[path] = (8 + length, json.loads(handle.read(length)))
+        return self._headers[path]

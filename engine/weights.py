@@ -221,21 +221,32 @@ def load_expert_stack(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack the given logical experts of model layer ``layer``: ``w13 [S, 2I, D]``, ``w2 [S, D, I]``.
 
-    An empty slot (expert -1) gets zero weights.
+    An empty slot (expert -1) gets zero weights. Each expert is read straight into its row
+    (:func:`read_expert_into`): no second copy of the stack is ever held.
     """
     inter, hidden = config.moe_intermediate_size, config.hidden_size
     w13 = torch.zeros(len(experts), 2 * inter, hidden, dtype=dtype, device=device)
     w2 = torch.zeros(len(experts), hidden, inter, dtype=dtype, device=device)
     for slot, expert in enumerate(experts):
-        if expert < 0:
-            continue
-        if not 0 <= expert < config.num_experts:
-            raise CheckpointError(f"layer {layer} has no expert {expert} (num_experts={config.num_experts})")
-        gate, up, down = expert_names(config, layer, expert)
-        w13[slot, :inter] = checkpoint.get(gate, dtype)
-        w13[slot, inter:] = checkpoint.get(up, dtype)
-        w2[slot] = checkpoint.get(down, dtype)
+        if expert >= 0:
+            read_expert_into(checkpoint, config, layer, expert, w13[slot], w2[slot])
     return w13, w2
+
+
+def read_expert_into(checkpoint: Checkpoint, config: ModelConfig, layer: int, expert: int, w13_row: torch.Tensor,
+                     w2_row: torch.Tensor) -> None:
+    """Read routed expert ``expert`` of model layer ``layer`` into one pool row: ``w13_row
+    [2I, D]`` (gate rows, then up rows) and ``w2_row [D, I]``, in place (Checkpoint.read_into).
+
+    Written through the file's bytes, not through torch: the rows' version counter does not
+    move, so a caller that caches derived copies of the stack (kernels/packed_linear.py) bumps it."""
+    if not 0 <= expert < config.num_experts:
+        raise CheckpointError(f"layer {layer} has no expert {expert} (num_experts={config.num_experts})")
+    inter = config.moe_intermediate_size
+    gate, up, down = expert_names(config, layer, expert)
+    checkpoint.read_into(gate, w13_row[:inter])
+    checkpoint.read_into(up, w13_row[inter:])
+    checkpoint.read_into(down, w2_row)
 
 
 def _mlp(get, prefix: str) -> MLPWeights:

@@ -331,7 +331,12 @@ def _layout(weight: torch.Tensor, make) -> torch.Tensor:
 def _gate_up_panels(w13: torch.Tensor) -> torch.Tensor:
     stacked, hidden = w13.shape[0], w13.shape[2]
     gate, up = w13.reshape(stacked, 2, -1, 16, hidden).unbind(1)  # [R, I/16, 16, D] each
-    return _on_huge_pages(torch.stack([gate.transpose(2, 3), up.transpose(2, 3)], dim=3))  # [R, I/16, D, 2, 16]
+    # [R, I/16, D, 2, 16], written in place: no stacked temporary the size of the layer's w13
+    # (a worker packing its pool must not hold a third copy of a layer meanwhile)
+    layout = _huge_page_empty(torch.Size((stacked, gate.shape[1], hidden, 2, 16)))
+    layout.select(3, 0).copy_(gate.transpose(2, 3))
+    layout.select(3, 1).copy_(up.transpose(2, 3))
+    return layout
 
 
 def _on_huge_pages(layout: torch.Tensor) -> torch.Tensor:
