@@ -10,7 +10,10 @@ last failure (docs/DEPLOY.md, section 4, also for Ray's own tools).
 
 Weights live in a per-layer pool a little larger than the worker's slots. Each placement
 epoch maps slots to pool rows, so a migration stages new experts into free rows while every
-router keeps serving with the epoch it uses; rows are freed when no epoch uses them.
+router keeps serving with the epoch it uses; rows are freed when no epoch uses them. The pool
+is only ever read into in place: a restarted worker's reload (:meth:`ExpertWorker.load_placement`)
+keeps the rows that hold their expert, moves others within a layer and reads the rest from the
+checkpoint into their rows, so it never holds its experts twice (docs/RELIABILITY.md).
 
 A migration that fails is undone with :meth:`ExpertWorker.discard_staged`: its epoch's staged
 rows (and the epoch itself, if this worker already activated it) are dropped and the epoch
@@ -182,8 +185,9 @@ class ExpertWorker:
         It never holds the experts twice: a pool of the same shape is rewritten in place, one
         MoE layer at a time (rows already holding their new expert stay, others move within the
         layer through at most one spare row's copy, the rest are read from the checkpoint
-        straight into their rows); a pool of another shape is dropped layer by layer before its
-        replacement is allocated. Calls are serialized (a retried call waits for the one still
+        straight into their rows); a pool of another shape is dropped before its replacement is
+        allocated. A reload that changes no row (a retry; the placement it was built with) only
+        swaps the epochs. Calls are serialized (a retried call waits for the one still
         running, then finds every row in place). Returns what it did (bytes read, rows moved).
         """
         with self._load_lock:
@@ -192,31 +196,34 @@ class ExpertWorker:
     def _load_placement(self, table: PlacementTable) -> dict[str, Any]:
         checkpoint = Checkpoint(self.model_dir)
         rows_per_layer = table.slots_per_worker + self.spare_rows
-        held = self._held_rows() if self.w13 else None
-        reshaped = bool(self.w13) and (len(self.w13) != table.num_layers or self.w13[0].shape[0] != rows_per_layer)
-        # From here on no epoch describes the pool until the new one does (a failure midway
-        # leaves a worker that refuses to join, and a retried load makes it whole).
-        self.slot_rows, self.experts, self.staged = {}, {}, {}
-        self._publish_pool_rows()
-        if reshaped:
-            self.w13, self.w2, held = [], [], None
+        padding = [-1] * self.spare_rows
+        targets = [table.worker_experts(moe_layer, self.worker) + padding for moe_layer in range(table.num_layers)]
+        reshaped = len(self.w13) != table.num_layers or any(w.shape[0] != rows_per_layer for w in self.w13)
+        held = self._held_rows() if not reshaped else None
+        plans = [plan_row_moves(held[layer], targets[layer]) for layer in range(table.num_layers)] if held else None
+        if reshaped or any(plans):
+            # From here on no epoch describes the pool until the new one does (a failure midway
+            # leaves a worker that refuses to join; a retried load makes it whole). A reload that
+            # changes no row (a retry, or the placement the worker was built with) swaps epochs only.
+            self.slot_rows, self.experts, self.staged = {}, {}, {}
+            self._publish_pool_rows()
+        if reshaped:  # dropped before anything new is allocated
+            self.w13, self.w2 = [], []
         self.slots = table.slots_per_worker
         self.num_layers = table.num_layers
-        padding = [-1] * self.spare_rows
         row_bytes = 3 * self.config.moe_intermediate_size * self.config.hidden_size * self.dtype.itemsize
         read = moved = 0
         for moe_layer, layer in enumerate(self.config.moe_layers):
-            target = table.worker_experts(moe_layer, self.worker) + padding
-            if moe_layer < len(self.w13):  # in place, reusing the rows that hold an expert already
-                ops = plan_row_moves(held[moe_layer], target)
+            if plans is not None:  # in place, reusing the rows that hold an expert already
+                ops = plans[moe_layer]
                 self._apply_row_moves(checkpoint, moe_layer, ops)
                 read += sum(op[0] == "load" for op in ops)
                 moved += sum(op[0] == "copy" for op in ops)
             else:
-                w13, w2 = load_expert_stack(checkpoint, self.config, layer, target, self.dtype, self.device)
+                w13, w2 = load_expert_stack(checkpoint, self.config, layer, targets[moe_layer], self.dtype, self.device)
                 self.w13.append(w13)
                 self.w2.append(w2)
-                read += sum(expert >= 0 for expert in target)
+                read += sum(expert >= 0 for expert in targets[moe_layer])
             native_cpu.prepare_experts(self.w13[moe_layer], self.w2[moe_layer])  # packed now, not in a step
         # epoch -> per layer, the pool row serving each of this worker's slots
         self.slot_rows = {table.epoch: [list(range(self.slots)) for _ in range(self.num_layers)]}

@@ -179,3 +179,28 @@ def test_the_controller_reloads_with_the_deadline_and_retries(monkeypatch):
     assert host._reload(0, table) == {"bytes_read": 0}
     assert gets == [controller.reload_deadline_s(8 * 2**30)] * 2
     assert host.counters["reload_timeouts"] == 1
+
+
+def test_reload_after_a_migration_moves_staged_rows_instead_of_reading_them(tiny_mixtral_dir):
+    """A worker serving an epoch whose slot 0 is a spare row (a migration staged its expert
+    there) reloads that epoch's table: the expert moves to row 0, nothing is read."""
+    config = load_model_config(tiny_mixtral_dir)
+    layers = len(config.moe_layers)
+    table = initial_placement(layers, config.num_experts, 2, "round_robin")
+    worker = ExpertWorker(0, tiny_mixtral_dir, "float32", "cpu", table.to_dict(), spare_rows=1)
+    incoming = next(e for e in range(config.num_experts) if e not in table.worker_experts(0, 0))
+    phy2log = table.phy2log.copy()
+    phy2log[0, 0] = incoming
+    phy2log[0, table.slots_per_worker] = table.phy2log[0, 0]  # (worker 1 takes the expert worker 0 gives up)
+    later = table.with_phy2log(phy2log)
+    checkpoint = Checkpoint(tiny_mixtral_dir)
+    w13, w2 = load_expert_stack(checkpoint, config, config.moe_layers[0], [incoming], torch.float32,
+                                torch.device("cpu"))
+    worker._stage(later.epoch, 0, 0, incoming, w13[0], w2[0])
+    worker.activate(later.epoch, table.epoch, later.to_dict())
+    worker.retire(later.epoch)
+    assert worker.slot_rows[later.epoch][0][0] == table.slots_per_worker  # served from the spare row
+    report = worker.load_placement(later.to_dict())
+    assert (report["rows_read"], report["rows_moved"]) == (0, 1)
+    assert worker.slot_rows == {later.epoch: [list(range(table.slots_per_worker))] * layers}
+    assert torch.equal(worker.w13[0][0], w13[0]) and torch.equal(worker.w2[0][0], w2[0])
