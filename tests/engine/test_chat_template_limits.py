@@ -21,11 +21,12 @@ def tokenizer_with(template: str, source_dir: str, tmp_path) -> Tokenizer:
 
 
 @pytest.mark.parametrize("template, messages, match", [
-    ("{{ messages[0]['content'] }}", [], "cannot render these messages"),  # UndefinedError inside
+    ("{{ messages[5]['content'] }}", [{"role": "user", "content": "hi"}],
+     "cannot render these messages"),  # UndefinedError inside (an empty list is refused before any template)
     ("{% for i in range(99999) %}{{ 'x' * 99999 }}{% endfor %}", [{"role": "user", "content": "hi"}],
      f"exceeds {TEMPLATE_MAX_CHARS} characters"),
     ("{{ raise_exception('only user turns, please') }}", [{"role": "user", "content": "hi"}], "only user turns"),
-], ids=["reads messages[0] of []", "output grows without bound", "the template's own raise_exception"])
+], ids=["reads messages[5] of one", "output grows without bound", "the template's own raise_exception"])
 def test_template_failures_are_400s_naming_messages(tiny_mixtral_dir, tmp_path, template, messages, match):
     tokenizer = tokenizer_with(template, tiny_mixtral_dir, tmp_path)
     body = {"messages": messages, "max_tokens": 2}
