@@ -41,6 +41,18 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def process_name(argv: list[bytes]) -> str:
+    """`ray::Router`, `gcs_server`, `raylet`, or a Python process by its script (`dashboard.py`)."""
+    words = [word.decode(errors="replace") for word in argv if word]
+    if not words:
+        return "?"
+    first = os.path.basename(words[0]) if words[0].startswith("/") else words[0]
+    if first.startswith("python") and len(words) > 1:
+        script = next((w for w in words[1:] if not w.startswith("-")), words[1])
+        return f"python {os.path.basename(script)}"[:52]
+    return first[:52]
+
+
 def session_processes(session: int) -> dict[int, tuple[str, int]]:
     """pid -> (name, RSS bytes) for every process in ``session``."""
     found = {}
@@ -55,7 +67,7 @@ def session_processes(session: int) -> dict[int, tuple[str, int]]:
             if int(fields[3]) != session:  # field 6 of stat: the session id
                 continue
             with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                name = handle.read().split(b"\0")[0].decode(errors="replace")[:60]
+                name = process_name(handle.read().split(b"\0"))
             with open(f"/proc/{entry}/statm") as handle:
                 found[int(entry)] = (name, int(handle.read().split()[1]) * page)
         except (OSError, ValueError, IndexError):

@@ -297,6 +297,9 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     return Deployment(config, model_config, placement, routers, workers, controller, group, worker_nodes)
 
 
+GCS_TASK_EVENTS = 10_000  # tasks whose events Ray's GCS keeps, on a Ray raymoe starts (ensure_ray)
+
+
 def ensure_ray(address: str | None = None) -> None:
     """Connect to ``address`` (or RAY_ADDRESS) exactly as given, or start a Ray of this
     process's own, listening on loopback.
@@ -317,4 +320,8 @@ def ensure_ray(address: str | None = None) -> None:
     # serving path, so its own Ray runs them at the default priority (an explicit
     # RAY_worker_niceness wins). `ray start` clusters: see cluster/ray-up/*.yaml.
     os.environ.setdefault("RAY_worker_niceness", "0")
+    # Ray's GCS keeps the events of its last N tasks for `ray list tasks` (Ray's default N
+    # holds hundreds of MB): every request is a few actor calls, so a busy server's GCS grew
+    # 71 -> 246 MiB in a 10-minute soak. raymoe does not read them; keep the last 10,000.
+    os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", str(GCS_TASK_EVENTS))
     ray.init(address="local", include_dashboard=False)

@@ -69,9 +69,10 @@ def test_every_start_command_uses_the_venv_and_stops_only_its_own_cluster(path):
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         first, start = config[key]
         assert first == stop  # a restart stops this cluster's previous Ray, not every Ray on the host
-        # Serving actors at normal priority (Ray would start its workers at niceness 15).
+        # Serving actors at normal priority (Ray would start its workers at niceness 15), and a
+        # GCS that keeps the events of 10,000 tasks, not hundreds of MB of them.
         assert start.startswith(f"RAYMOE_RAY_UP_CLUSTER={name} RAY_AUTH_MODE=token RAY_worker_niceness=0 "
-                                f"{VENV}ray start ")
+                                f"RAY_task_events_max_num_task_in_gcs=10000 {VENV}ray start ")
     for command in commands(config):
         words = command.replace(";", " ; ").split()
         assert not any(w == "ray" for w in words), command  # no `ray` from the login shell's PATH
