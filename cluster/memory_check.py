@@ -146,6 +146,6 @@ def _parts(rank: WorkerMemory | RouterMemory) -> str:
                  ("staging", rank.staging_bytes), ("activations", rank.activation_bytes),
                  ("CUDA reserve", rank.reserve_bytes)]
         if rank.reload_peak_bytes > rank.serving_bytes:
-            parts = [("recovery reload peak: the pool twice", rank.reload_peak_bytes)]
+            parts = [("recovery reload peak, the pool and a row aside", rank.reload_peak_bytes)]
     return ", ".join(f"{name} {bytes_text(value)}" for name, value in parts if value)
 

@@ -19,8 +19,9 @@ Expert worker (one GPU, or one process on a CPU host):
   intermediate (``3 * I`` values) for every one of the ``R * B`` tokens (an expert sees a
   token at most once).
 - **reload peak**: a recovery reload (``ExpertWorker.load_placement`` in a restarted worker)
-  builds the new pool while the pool it was constructed with is still held: twice the pool
-  (and twice the packed copy), not serving meanwhile.
+  rewrites the pool in place, one MoE layer at a time, with at most one row copied aside
+  (a cycle of moves); a packed copy is remade one layer at a time (that layer's old layout
+  held until its new one is made). Not serving meanwhile.
 
 Router:
 
@@ -164,7 +165,7 @@ def plan_memory(model: ModelConfig, dense_params: int, shape: DeploymentShape) -
     arriving = shape.routers * tokens  # tokens of one step, all routers together
     activations = (2 * arriving * top_k * hidden + arriving * 3 * inter) * s
     serving = pool + packed + staging + activations + reserve
-    reload_peak = 2 * (pool + packed) + reserve
+    reload_peak = pool + packed + row_bytes + (rows.total * row_bytes if packed else 0) + reserve
     workers = [WorkerMemory(f"worker {w}", rows.slots, rows.spare, row_bytes, pool, packed, staging, activations,
                             reserve, serving, reload_peak, max(serving, reload_peak))
                for w in range(shape.expert_workers)]
