@@ -13,6 +13,16 @@ VOCAB = 320
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 
 
+WEATHER_PARAMETERS = {  # a tool's parameters: enums, a bounded integer, all required (tool-call tests)
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+
+
 def hf_config(arch: str, **overrides):
     import transformers as tf
 

@@ -24,21 +24,14 @@ from raymoe.engine.openai_protocol import ChatCompletionRequest, RequestError, d
 from raymoe.engine.stream_choices import StreamedChoice
 from raymoe.engine.tokenizer import Tokenizer
 from raymoe.engine.tool_calls import NamedParser, RequiredParser, decode_keeping, detect_format
-from tiny_models import QWEN_TOOLS_TEMPLATE, use_chat_template
+from tiny_models import QWEN_TOOLS_TEMPLATE, WEATHER_PARAMETERS, use_chat_template
 
 MODEL = "demo"
 SEEDS = range(10)
 MISTRAL_TEMPLATE = ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
                     "{% for m in messages %}{% if m.tool_calls %}[TOOL_CALLS]{{ m.tool_calls | tojson }}"
                     "{% else %}[INST]{{ m.content }}[/INST]{% endif %}{% endfor %}")
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "unit", "days"],
-    "additionalProperties": False,
-}
+WEATHER = WEATHER_PARAMETERS
 TIME = {  # a free (bounded) string as well: the model spells it, the grammar escapes it
     "type": "object",
     "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}, "note": {"type": "string", "maxLength": 8}},

@@ -14,17 +14,9 @@ import pytest
 from pydantic import BaseModel, Field
 from raymoe.engine.tokenizer import Tokenizer
 from server_process import served
-from tiny_models import build_reference_model, use_chat_template, write_checkpoint
+from tiny_models import WEATHER_PARAMETERS, build_reference_model, use_chat_template, write_checkpoint
 
 MODEL = "tiny-chat"
-WEATHER_PARAMETERS = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "unit", "days"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast for a city",
                                       "parameters": WEATHER_PARAMETERS}},
