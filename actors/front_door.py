@@ -41,6 +41,8 @@ from typing import Any, Awaitable, Callable, Iterable
 
 from starlette.requests import ClientDisconnect
 
+from raymoe.engine.openai_protocol import RequestError
+
 LOG = logging.getLogger("raymoe.ingress")
 BODY_GRACE_S = 5.0  # the minimum rate applies after this long (a slow start is not an attack)
 JSON_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
@@ -55,6 +57,8 @@ Scope = dict[str, Any]
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
+Refusal = tuple[RequestError, Headers]  # the error (its status and OpenAI body) and extra headers
 
 
 class ApiKeyError(ValueError):
@@ -93,9 +97,10 @@ def api_key_digests(keys: Iterable[str] = (), key_file: str | None = None,
         except OSError as error:
             raise ApiKeyError(f"serve.api_key_file: cannot read {key_file}: {error.strerror or error}") from None
         lines = [line.strip() for line in text.splitlines()]
-        found += [(f"serve.api_key_file {key_file}", line) for line in lines if line and not line.startswith("#")]
-        if not any(source.startswith("serve.api_key_file") for source, _ in found):
+        file_keys = [line for line in lines if line and not line.startswith("#")]
+        if not file_keys:
             raise ApiKeyError(f"serve.api_key_file: {key_file} holds no key (one key a line)")
+        found += [(f"serve.api_key_file {key_file}", key) for key in file_keys]
     if environ.get(API_KEY_ENV):
         found.append((API_KEY_ENV, environ[API_KEY_ENV]))
     for source, key in found:
@@ -109,8 +114,10 @@ class BodyTimeout(Exception):
         super().__init__(f"request body incomplete after {elapsed:.1f} s ({received} bytes): {reason}")
 
 
-def _error(status: int, message: str, error_type: str, code: str, param: str | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}}).encode()
+def _cors(allowed_origin: str | None) -> Headers:
+    """The headers that grant ``allowed_origin`` the response (none without a grant)."""
+    return [] if allowed_origin is None else [(b"access-control-allow-origin", allowed_origin.encode()),
+                                              (b"vary", b"Origin")]
 
 
 def _media_type(headers: dict[bytes, bytes]) -> str:
@@ -149,19 +156,14 @@ class FrontDoor:
         if method == "OPTIONS" and b"access-control-request-method" in headers:  # a CORS preflight
             await self._preflight(send, allowed_origin)
             return
-        refusal = self._refusal(policy, path, method, headers)
-        if refusal is not None:
-            status, body, extra = refusal
-            await self._answer(send, status, body, extra, allowed_origin)
-            return
         counted = path not in UNCOUNTED_ROUTES
         address = (scope.get("client") or ("unknown",))[0]
+        refusal = self._refusal(policy, path, method, headers) or (
+            self._admission(policy, address) if counted else None)
+        if refusal is not None:
+            await self._answer(send, *refusal, allowed_origin)
+            return
         if counted:
-            refusal = self._admission(policy, address)
-            if refusal is not None:
-                status, body, extra = refusal
-                await self._answer(send, status, body, extra, allowed_origin)
-                return
             FrontDoor.open_requests += 1
             FrontDoor.per_client[address] = FrontDoor.per_client.get(address, 0) + 1
         started = False
@@ -171,9 +173,7 @@ class FrontDoor:
             if message["type"] == "http.response.start":
                 started = True
                 if allowed_origin is not None:
-                    message = {**message, "headers": [*message.get("headers", []),
-                                                      (b"access-control-allow-origin", allowed_origin.encode()),
-                                                      (b"vary", b"Origin")]}
+                    message = {**message, "headers": [*message.get("headers", []), *_cors(allowed_origin)]}
             await send(message)
 
         try:
@@ -181,8 +181,8 @@ class FrontDoor:
         except BodyTimeout as error:
             LOG.info("%s %s from %s: %s", method, path, _client(scope), error)
             if not started:
-                await self._answer(send, 408, _error(408, f"{error}; send the whole body promptly", "invalid_request_error",
-                                                     "request_timeout"), [(b"connection", b"close")], allowed_origin)
+                timeout = RequestError(f"{error}; send the whole body promptly", status=408, code="request_timeout")
+                await self._answer(send, timeout, [(b"connection", b"close")], allowed_origin)
         except ClientDisconnect:  # Serve's access log has its one line (status 499): no traceback beside it
             LOG.debug("%s %s from %s: the client left before its body arrived", method, path, _client(scope))
         finally:
@@ -195,23 +195,22 @@ class FrontDoor:
                     del FrontDoor.per_client[address]
 
     @classmethod
-    def _admission(cls, policy: FrontDoorPolicy, address: str) -> tuple[int, bytes, list[tuple[bytes, bytes]]] | None:
+    def _admission(cls, policy: FrontDoorPolicy, address: str) -> Refusal | None:
         retry = [(b"retry-after", str(RETRY_AFTER_S).encode())]
         if cls.per_client.get(address, 0) >= policy.max_requests_per_client:
-            return 429, _error(429, f"too many requests at once from {address} (serve.max_requests_per_client is "
-                                    f"{policy.max_requests_per_client}); retry shortly", "rate_limit_error",
-                               "too_many_requests"), retry
+            return RequestError(f"too many requests at once from {address} (serve.max_requests_per_client is "
+                                f"{policy.max_requests_per_client}); retry shortly", status=429,
+                                error_type="rate_limit_error", code="too_many_requests"), retry
         if cls.open_requests >= policy.max_open_requests:
-            return 503, _error(503, f"the server holds serve.max_open_requests ({policy.max_open_requests}) requests; "
-                                    f"retry shortly", "server_error", "overloaded"), retry
+            return RequestError(f"the server holds serve.max_open_requests ({policy.max_open_requests}) requests; "
+                                f"retry shortly", status=503, error_type="server_error", code="overloaded"), retry
         return None
 
     @staticmethod
-    def _refusal(policy: FrontDoorPolicy, path: str, method: str,
-                 headers: dict[bytes, bytes]) -> tuple[int, bytes, list[tuple[bytes, bytes]]] | None:
+    def _refusal(policy: FrontDoorPolicy, path: str, method: str, headers: dict[bytes, bytes]) -> Refusal | None:
         if path in DOCS_ROUTES and not policy.enable_docs:
-            return 404, _error(404, "Not Found (API docs are off; set serve.enable_docs: true)", "not_found",
-                               "not_found"), []
+            return RequestError("Not Found (API docs are off; set serve.enable_docs: true)", status=404,
+                                error_type="not_found", code="not_found"), []
         guarded = path not in OPEN_ROUTES and not path.startswith("/admin/") and (
             path != "/metrics" or policy.metrics_need_key)
         if guarded and policy.needs_key:
@@ -224,14 +223,14 @@ class FrontDoor:
             if scheme.lower() != b"bearer" or not matched:
                 message = ("missing API key: send Authorization: Bearer KEY (the openai client's api_key)"
                            if not given else "invalid API key")
-                return 401, _error(401, message, "authentication_error", "invalid_api_key"), [
-                    (b"www-authenticate", b"Bearer")]
+                return RequestError(message, status=401, error_type="authentication_error",
+                                    code="invalid_api_key"), [(b"www-authenticate", b"Bearer")]
         if method == "POST" and path in JSON_ROUTES:
             media_type = _media_type(headers)
             if not _is_json(media_type):
                 shown = media_type or "none"
-                return 415, _error(415, f"the request body must be JSON: send Content-Type: application/json "
-                                        f"(got {shown})", "invalid_request_error", "unsupported_media_type"), []
+                return RequestError(f"the request body must be JSON: send Content-Type: application/json "
+                                    f"(got {shown})", status=415, code="unsupported_media_type"), []
         return None
 
     @staticmethod
@@ -265,12 +264,11 @@ class FrontDoor:
         return timed
 
     @staticmethod
-    async def _answer(send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]],
-                      allowed_origin: str | None) -> None:
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]
-        if allowed_origin is not None:
-            headers += [(b"access-control-allow-origin", allowed_origin.encode()), (b"vary", b"Origin")]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
+    async def _answer(send: Send, error: RequestError, extra: Headers, allowed_origin: str | None) -> None:
+        body = json.dumps(error.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra,
+                   *_cors(allowed_origin)]
+        await send({"type": "http.response.start", "status": error.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
     @staticmethod
@@ -279,8 +277,7 @@ class FrontDoor:
             headers = [(b"content-length", b"0")]
             status = 403
         else:
-            headers = [(b"access-control-allow-origin", allowed_origin.encode()), (b"vary", b"Origin"),
-                       (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+            headers = [*_cors(allowed_origin), (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
                        (b"access-control-allow-headers", b"authorization, content-type"),
                        (b"access-control-max-age", b"600"), (b"content-length", b"0")]
             status = 204

@@ -26,9 +26,12 @@ so once in the log.
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import types
+
+from raymoe.engine.openai_protocol import RequestError
 
 LOG = logging.getLogger("raymoe.ingress")
 
@@ -65,8 +68,8 @@ def reuse_address_for_direct_ingress() -> bool:
     return True
 
 
-_TIMEOUT_BODY = (b'{"error": {"message": "request headers not received within serve.header_timeout_s", '
-                 b'"type": "invalid_request_error", "param": null, "code": "request_timeout"}}')
+_TIMEOUT_BODY = json.dumps(RequestError("request headers not received within serve.header_timeout_s", status=408,
+                                        code="request_timeout").body()).encode()
 _TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
                      b"content-length: " + str(len(_TIMEOUT_BODY)).encode() + b"\r\n\r\n" + _TIMEOUT_BODY)
 

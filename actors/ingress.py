@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from raymoe.actors.front_door import PROBE_HEADROOM, FrontDoor, FrontDoorPolicy, api_key_digests
+from raymoe.actors.front_door import PROBE_HEADROOM, RETRY_AFTER_S, FrontDoor, FrontDoorPolicy, api_key_digests
 from raymoe.actors.http_listener import harden_direct_ingress
 from raymoe.actors.router import StepFailure
 from raymoe.actors.serving_metrics import ServingMetrics
@@ -51,7 +51,6 @@ LOG = logging.getLogger("raymoe.ingress")
 HEALTH_TIMEOUT_S = 5.0
 REPLICA_HEADER = "x-raymoe-replica"  # which ingress replica answered (Serve's replica id)
 PREPARE_THREADS = 4  # bodies validated, tokenized and templated at once, off the event loop
-RETRY_AFTER_S = 1
 ROUTER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
