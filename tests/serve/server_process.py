@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import random
 import signal
@@ -146,3 +147,21 @@ def served(folder, model_dir: str, settings: str, env: dict | None = None):
     finally:
         code = process.stop()
         assert code == 0, process.tail()
+
+
+TCP_LISTEN, TCP_TIME_WAIT = "0A", "06"  # states in Linux's /proc/net/tcp
+
+
+def tcp_sockets(state: str) -> list[tuple[str, int, int]]:
+    """(local address, port, inode) of every TCP socket in ``state`` (Linux /proc/net/tcp, tcp6)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as handle:
+            for line in handle.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == state:
+                    address, port = fields[1].split(":")
+                    raw = bytes.fromhex(address)
+                    words = [raw[i:i + 4][::-1] for i in range(0, len(raw), 4)]  # little-endian words
+                    found.append((str(ipaddress.ip_address(b"".join(words))), int(port, 16), int(fields[9])))
+    return found

@@ -4,7 +4,6 @@ defaults are safe: loopback only, admin routes off without a token, bodies never
 from __future__ import annotations
 
 import concurrent.futures
-import ipaddress
 import json
 import os
 import pickle
@@ -18,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_process import served
+from server_process import TCP_LISTEN, served, tcp_sockets
 
 
 @pytest.fixture(scope="module")
@@ -122,18 +121,8 @@ def test_admin_routes_are_disabled_without_a_token(small_server):
 
 
 def listening_addresses(port: int) -> list[str]:
-    """Local addresses of the sockets listening on ``port`` (Linux /proc/net/tcp, tcp6)."""
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as handle:
-            for line in handle.read().splitlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                address, hex_port = local.split(":")
-                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                    raw = bytes.fromhex(address)
-                    words = [raw[i:i + 4][::-1] for i in range(0, len(raw), 4)]  # little-endian words
-                    found.append(str(ipaddress.ip_address(b"".join(words))))
-    return found
+    """Local addresses of the sockets listening on ``port``."""
+    return [address for address, listening, _ in tcp_sockets(TCP_LISTEN) if listening == port]
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp")

@@ -16,30 +16,14 @@ import time
 
 import pytest
 
-from server_process import ServerProcess, free_port
+from server_process import TCP_LISTEN, TCP_TIME_WAIT, ServerProcess, free_port, tcp_sockets
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp")
-LISTEN, TIME_WAIT = "0A", "06"
 
 
-def _address(hex_address: str) -> str:
-    raw = bytes.fromhex(hex_address)
-    address = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
-    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is loopback too
-    return str(mapped or address)
-
-
-def sockets(state: str) -> list[tuple[str, int, int]]:
-    """(address, port, inode) of every TCP socket in ``state`` (/proc/net/tcp and tcp6)."""
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as handle:
-            for line in handle.read().splitlines()[1:]:
-                fields = line.split()
-                if fields[3] == state:
-                    address, port = fields[1].split(":")
-                    found.append((_address(address), int(port, 16), int(fields[9])))
-    return found
+def is_loopback(address: str) -> bool:
+    parsed = ipaddress.ip_address(address)
+    return (getattr(parsed, "ipv4_mapped", None) or parsed).is_loopback  # ::ffff:127.0.0.1 too
 
 
 def session_processes(session: int) -> dict[int, str]:
@@ -60,7 +44,7 @@ def session_processes(session: int) -> dict[int, str]:
 
 def listeners(session: int) -> list[tuple[str, str, int]]:
     """(process, address, port) of every listening socket that a process of ``session`` holds."""
-    by_inode = {inode: (address, port) for address, port, inode in sockets(LISTEN)}
+    by_inode = {inode: (address, port) for address, port, inode in tcp_sockets(TCP_LISTEN)}
     found = []
     for pid, name in session_processes(session).items():
         try:
@@ -84,14 +68,14 @@ def test_every_listener_is_on_loopback_and_a_restart_right_after_a_stop_binds(ti
         for name, address, listening_port in found:
             print(f"{address:>15} {listening_port:>6}  {name}")
         assert (port in {p for _, _, p in found}) and len(found) > 5, found
-        wildcard = [(name, address) for name, address, _ in found if not ipaddress.ip_address(address).is_loopback]
+        wildcard = [(name, address) for name, address, _ in found if not is_loopback(address)]
         # Serve's inter-deployment gRPC server, one per replica ("ray::ServeReplica:raymoe:raymoe").
         assert len(wildcard) <= 1 and all(name.startswith("ray::ServeReplica") and address in ("::", "0.0.0.0")
                                           for name, address in wildcard), wildcard
     finally:
         assert first.stop() == 0, first.tail()
     stopped = time.monotonic()
-    waiting = [s for s in sockets(TIME_WAIT) if s[1] == port]
+    waiting = [s for s in tcp_sockets(TCP_TIME_WAIT) if s[1] == port]
     assert waiting, "no connection of the old server in TIME-WAIT on its port: the restart would prove nothing"
     second = ServerProcess(str(config), str(tmp_path / "second.log"), port=port)
     try:
