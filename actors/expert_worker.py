@@ -4,7 +4,7 @@ It holds the weights of its physical slots for every MoE layer, read straight fr
 checkpoint (only its own experts), joins the deployment's one expert-parallel group, and from
 then on runs a persistent loop driven by that group, with no Ray call per step: for every MoE
 layer, receive every router's rows, run its experts over all of them at once, send the sums
-back (engine/ep_exchange.py). Operators find each as ``{deployment}-worker-{w}`` (Ray namespace
+back (engine/exchange/ep_exchange.py). Operators find each as ``{deployment}-worker-{w}`` (Ray namespace
 ``raymoe``): ``raymoe status --address HOST:PORT`` lists every worker's pid, node, liveness and
 last failure (docs/DEPLOY.md, section 4, also for Ray's own tools).
 
@@ -38,13 +38,13 @@ from raymoe.engine.checkpoint import Checkpoint
 from raymoe.engine.engine import resolve_dtype
 from raymoe.actors.cpu_affinity import pin_current_thread
 from raymoe.actors.devices import actor_cuda_device
-from raymoe.engine.ep_exchange import GroupLayout, WorkerExchange
+from raymoe.engine.exchange.ep_exchange import GroupLayout, WorkerExchange
 from raymoe.engine.host_memory import allocator_in_use, keep_freed_memory
 from raymoe.engine.weights import load_expert_stack, read_expert_into
 from raymoe.kernels import native_cpu, packed_linear
 from raymoe.kernels.comm import CommBackend, make_communicator, new_rendezvous
 from raymoe.kernels.comm.base import Communicator
-from raymoe.moe.model_config import load_model_config
+from raymoe.engine.hf_config import load_model_config
 from raymoe.moe.placement import PlacementTable
 
 

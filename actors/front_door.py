@@ -41,7 +41,7 @@ from typing import Any, Awaitable, Callable, Iterable
 
 from starlette.requests import ClientDisconnect
 
-from raymoe.engine.openai_protocol import RequestError
+from raymoe.engine.api.openai_protocol import RequestError
 
 LOG = logging.getLogger("raymoe.ingress")
 BODY_GRACE_S = 5.0  # the minimum rate applies after this long (a slow start is not an attack)

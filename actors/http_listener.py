@@ -31,7 +31,7 @@ import logging
 import socket
 import types
 
-from raymoe.engine.openai_protocol import RequestError
+from raymoe.engine.api.openai_protocol import RequestError
 
 LOG = logging.getLogger("raymoe.ingress")
 

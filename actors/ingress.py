@@ -2,7 +2,7 @@
 
 The ingress owns the deployment it serves: its constructor starts the expert workers and
 routers a cluster config describes (cluster/deploy.py), so they live and die with it. Per
-request it validates and tokenizes the body (engine/completions.py; nothing malformed
+request it validates and tokenizes the body (engine/api/completions.py; nothing malformed
 reaches a router), picks the router with the fewest requests in flight, submits it there,
 and relays its tokens, as Server-Sent Events when asked. Tokens come back through one
 subscription per router (``Router.subscribe``): one Ray item per router step carries every
@@ -35,17 +35,17 @@ from raymoe.actors.http_listener import harden_direct_ingress
 from raymoe.actors.router import StepFailure
 from raymoe.actors.serving_metrics import ServingMetrics
 from raymoe.cluster.config import ClusterConfig, parse_cluster_config
-from raymoe.engine.completions import (
+from raymoe.engine.api.completions import (
     Endpoint, ModelLimits, PreparedRequest, prepare_request, response_body,
 )
 from raymoe.engine.engine import RequestOutput
-from raymoe.engine.openai_protocol import RequestError, new_id
+from raymoe.engine.api.openai_protocol import RequestError, new_id
 from raymoe.engine.prompt_logprobs import PromptLogprobs
 from raymoe.engine.sampling_params import SamplingParams
-from raymoe.engine.stream_choices import StreamedChoice
-from raymoe.engine.tokenize_api import detokenize_body, tokenize_body
+from raymoe.engine.api.stream_choices import StreamedChoice
+from raymoe.engine.api.tokenize_api import detokenize_body, tokenize_body
 from raymoe.engine.tokenizer import Tokenizer
-from raymoe.engine.tool_calls import decode_keeping
+from raymoe.engine.api.tool_calls import decode_keeping
 
 LOG = logging.getLogger("raymoe.ingress")
 HEALTH_TIMEOUT_S = 5.0

@@ -1,7 +1,7 @@
 """The router actor: owns its requests, the dense weights, the KV cache and the gate.
 
 It runs the in-process engine's loop on a background thread with
-:class:`~raymoe.engine.remote_experts.RemoteExperts` as the expert backend, in lockstep with
+:class:`~raymoe.engine.exchange.remote_experts.RemoteExperts` as the expert backend, in lockstep with
 every other router over the deployment's one expert-parallel group (this router is rank
 ``router_index``): each turn the routers agree whether anyone has work, then each runs its
 engine step (or zero rows, when it has none) through every MoE layer's dispatch and combine.
@@ -26,15 +26,15 @@ import torch
 from raymoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from raymoe.actors.cpu_affinity import pin_current_thread
 from raymoe.actors.devices import actor_cuda_device
-from raymoe.engine.ep_exchange import GroupLayout, RouterExchange
+from raymoe.engine.exchange.ep_exchange import GroupLayout, RouterExchange
 from raymoe.engine.host_memory import allocator_in_use
 from raymoe.engine.prompt_logprobs import PromptLogprobs
-from raymoe.engine.remote_experts import RemoteExperts
+from raymoe.engine.exchange.remote_experts import RemoteExperts
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.telemetry import Telemetry
 from raymoe.engine.tokenizer import Tokenizer
 from raymoe.kernels.comm import CommBackend, CommError, make_communicator, new_rendezvous
-from raymoe.moe.model_config import load_model_config
+from raymoe.engine.hf_config import load_model_config
 from raymoe.moe.placement import PlacementTable
 
 RECOVERY_TIMEOUT_S = 600.0

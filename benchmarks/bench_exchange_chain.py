@@ -32,7 +32,7 @@ import traceback
 import numpy as np
 import torch
 
-from raymoe.engine.ep_exchange import GroupLayout, RouterExchange, WorkerExchange
+from raymoe.engine.exchange.ep_exchange import GroupLayout, RouterExchange, WorkerExchange
 from raymoe.engine.experts import combine_partials, run_rows
 from raymoe.kernels.comm.factory import free_port
 from raymoe.kernels.comm.sockets import SocketCommunicator

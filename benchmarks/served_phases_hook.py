@@ -83,7 +83,8 @@ def _group_step(function):
 
 def install() -> None:
     from raymoe.actors import router
-    from raymoe.engine import engine, ep_exchange, model, remote_experts
+    from raymoe.engine import engine, model
+    from raymoe.engine.exchange import ep_exchange, remote_experts
     from raymoe.kernels import native_cpu
 
     router.Router._group_step = _group_step(router.Router._group_step)

@@ -37,7 +37,8 @@ from raymoe.engine.weights import validate_checkpoint
 from raymoe.kernels.comm import CommBackend
 from raymoe.moe.capacity import CapacityConfig
 from raymoe.moe.memory_plan import worker_pool_rows
-from raymoe.moe.model_config import ModelConfig, load_model_config
+from raymoe.moe.model_config import ModelConfig
+from raymoe.engine.hf_config import load_model_config
 from raymoe.moe.placement import PlacementTable
 from raymoe.moe.rebalance_policy import RebalancePolicy
 

@@ -21,7 +21,7 @@ from raymoe.cluster.config import ClusterConfig
 from raymoe.cluster.plan_cli import bytes_text
 from raymoe.moe.memory_plan import (DTYPE_BYTES, DeploymentShape, MemoryPlan, RouterMemory, WorkerMemory, lower_what,
                                     plan_memory)
-from raymoe.moe.model_config import parse_model_config
+from raymoe.engine.hf_config import parse_model_config
 
 
 def read_model(model: str) -> tuple[dict[str, Any], str]:

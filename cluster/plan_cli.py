@@ -410,7 +410,8 @@ def _kv_cache_per_token(model: str, bytes_per_value: int) -> tuple[int | None, s
     """The engine's own KV-cache size per token (ModelConfig.kv_cache_values_per_token, which
     engine/kv_cache.py allocates) in bytes, and what it holds; None for a model raymoe does
     not serve (its weights can still be sized)."""
-    from raymoe.moe.model_config import UnsupportedModelError, parse_model_config
+    from raymoe.moe.model_config import UnsupportedModelError
+    from raymoe.engine.hf_config import parse_model_config
     from raymoe.moe.model_presets import model_presets
 
     presets = {name.lower(): config for name, config in model_presets().items()}

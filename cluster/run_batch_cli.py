@@ -7,9 +7,9 @@ import json
 import os
 import sys
 
-from raymoe.engine.completions import ModelLimits
+from raymoe.engine.api.completions import ModelLimits
 from raymoe.engine.engine import EngineConfig, LLMEngine
-from raymoe.engine.run_batch import read_batch, run_batch
+from raymoe.engine.api.run_batch import read_batch, run_batch
 from raymoe.engine.tokenizer import Tokenizer
 
 

@@ -219,7 +219,7 @@ def _checkpoint_problem(model_dir: str) -> str | None:
     """What is wrong with the checkpoint, in one line naming it, or None (headers only: fast)."""
     from raymoe.engine.checkpoint import Checkpoint
     from raymoe.engine.weights import validate_checkpoint
-    from raymoe.moe.model_config import load_model_config
+    from raymoe.engine.hf_config import load_model_config
 
     if not os.path.isdir(model_dir):
         return (f"checkpoint {model_dir} does not exist: put a Hugging Face checkpoint there (config.json, "

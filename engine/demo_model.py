@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from raymoe.engine.demo_tokenizer import SPECIAL_TOKENS, write_demo_tokenizer
 from raymoe.engine.weights import expected_shapes
-from raymoe.moe.model_config import parse_model_config
+from raymoe.engine.hf_config import parse_model_config
 
 DEMO_ARCHITECTURES = {
     "mixtral": {

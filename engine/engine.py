@@ -36,7 +36,8 @@ from raymoe.engine.structured_output import GrammarCompiler
 from raymoe.engine.weights import load_dense_weights, load_expert_stack, validate_checkpoint
 from raymoe.kernels.attention import AttentionMetadata
 from raymoe.moe.capacity import CapacityConfig
-from raymoe.moe.model_config import ModelConfig, load_model_config
+from raymoe.moe.model_config import ModelConfig
+from raymoe.engine.hf_config import load_model_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

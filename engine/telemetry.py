@@ -20,7 +20,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from raymoe.engine.ep_exchange import LayerTraffic
+
+
+@dataclass(frozen=True)
+class LayerTraffic:
+    """What one layer's exchange moved and cost, as the router saw it."""
+
+    rows_per_worker: list[int]  # [W] over every worker of the placement
+    bytes_sent: int  # dispatch headers + rows, as sent
+    bytes_received: int  # combine rows + trailers, as received
+    dispatch_s: float  # planning the rows and packing them
+    exchange_s: float  # sends, receives and the workers' compute, until the last sum arrived
 
 
 @dataclass

@@ -23,7 +23,7 @@ Python, and a batch of decodes gathered its keys into a padded copy before SDPA.
   dispatch overhead, not its math, is what these remove (in-process step at one sequence
   2.14-2.35 -> 1.99-2.20 ms with the lone-decode attention, alternating blocks, 12:00);
 - :func:`worker_layer` and :func:`router_layer`: each side's whole MoE layer of the exchange
-  over the sockets transport in one call (kernels/csrc/cpu_exchange.c; engine/ep_exchange.py
+  over the sockets transport in one call (kernels/csrc/cpu_exchange.c; engine/exchange/ep_exchange.py
   takes them), reading and writing the transport's framed messages itself: at one sequence the
   served step's CPU outside the experts and the dense part fell by more than half.
 

@@ -1,5 +1,5 @@
 /* One MoE layer of the expert-parallel exchange over the sockets transport (kernels/comm/sockets.py,
- * engine/ep_exchange.py), each side in one call from Python. A worker's side
+ * engine/exchange/ep_exchange.py), each side in one call from Python. A worker's side
  * (raymoe_worker_layer):
  *
  *   1. each router's header message: rows, tag checksum, placement epoch, kind, then the

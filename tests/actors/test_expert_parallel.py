@@ -15,7 +15,7 @@ from raymoe.cluster.deploy import deploy
 from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.host_memory import jemalloc_path
 from raymoe.kernels import native_cpu
-from raymoe.moe.model_config import load_model_config
+from raymoe.engine.hf_config import load_model_config
 from timing import deadline_margin_s
 
 CASES = {

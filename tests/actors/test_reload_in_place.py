@@ -14,7 +14,7 @@ from raymoe.engine.checkpoint import Checkpoint
 from raymoe.engine.weights import load_expert_stack
 from raymoe.kernels import native_cpu
 from raymoe.moe.initial_placement import initial_placement
-from raymoe.moe.model_config import load_model_config
+from raymoe.engine.hf_config import load_model_config
 from raymoe.moe.placement import PlacementTable
 
 

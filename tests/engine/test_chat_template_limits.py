@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from raymoe.engine.completions import Endpoint, ModelLimits, prepare_request
-from raymoe.engine.openai_protocol import RequestError
+from raymoe.engine.api.completions import Endpoint, ModelLimits, prepare_request
+from raymoe.engine.api.openai_protocol import RequestError
 from raymoe.engine.tokenizer import TEMPLATE_MAX_CHARS, Tokenizer
 
 

@@ -15,7 +15,7 @@ from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.tokenizer import ChatTemplateError, Tokenizer
 from raymoe.engine.weights import validate_checkpoint
-from raymoe.moe.model_config import load_model_config
+from raymoe.engine.hf_config import load_model_config
 from tiny_models import build_reference_model, write_checkpoint
 
 

@@ -16,14 +16,14 @@ import shutil
 
 import jsonschema
 import pytest
-from raymoe.engine.chat import plan_chat
-from raymoe.engine.completions import Endpoint, ModelLimits, prepare_request, response_body
+from raymoe.engine.api.chat import plan_chat
+from raymoe.engine.api.completions import Endpoint, ModelLimits, prepare_request, response_body
 from raymoe.engine.demo_model import write_demo_model
 from raymoe.engine.engine import EngineConfig, LLMEngine
-from raymoe.engine.openai_protocol import ChatCompletionRequest, RequestError, decode_request
-from raymoe.engine.stream_choices import StreamedChoice
+from raymoe.engine.api.openai_protocol import ChatCompletionRequest, RequestError, decode_request
+from raymoe.engine.api.stream_choices import StreamedChoice
 from raymoe.engine.tokenizer import Tokenizer
-from raymoe.engine.tool_calls import NamedParser, RequiredParser, decode_keeping, detect_format
+from raymoe.engine.api.tool_calls import NamedParser, RequiredParser, decode_keeping, detect_format
 from tiny_models import QWEN_TOOLS_TEMPLATE, WEATHER_PARAMETERS, use_chat_template
 
 MODEL = "demo"

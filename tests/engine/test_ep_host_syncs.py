@@ -20,13 +20,13 @@ import torch
 
 from raymoe.actors.expert_worker import ExpertWorker
 from raymoe.actors.router import Router
-from raymoe.engine.ep_exchange import RouterExchange, WorkerExchange
+from raymoe.engine.exchange.ep_exchange import RouterExchange, WorkerExchange
 from raymoe.engine.engine import EngineConfig, LLMEngine
-from raymoe.engine.remote_experts import RemoteExperts
+from raymoe.engine.exchange.remote_experts import RemoteExperts
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.kernels.comm import CommBackend, new_rendezvous
 from raymoe.moe.initial_placement import initial_placement
-from raymoe.moe.model_config import load_model_config
+from raymoe.engine.hf_config import load_model_config
 
 CONVERSIONS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__")
 

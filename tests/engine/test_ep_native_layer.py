@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from raymoe.engine.ep_exchange import (
+from raymoe.engine.exchange.ep_exchange import (
     KIND_IDLE,
     KIND_STEP,
     GroupLayout,

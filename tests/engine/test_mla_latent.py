@@ -21,7 +21,7 @@ from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.kv_cache import KVCache
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.kernels.attention import AttentionMetadata
-from raymoe.moe.model_config import parse_model_config
+from raymoe.engine.hf_config import parse_model_config
 from raymoe.moe.model_presets import model_presets
 from tiny_models import VOCAB, build_reference_model, write_checkpoint
 

@@ -263,8 +263,8 @@ def test_echo_logprobs_of_64_long_prompts_stay_within_the_budget(large_vocab_dir
 def _child(model_dir: str, path: str, num_prompts: int) -> None:
     """Answer one echo + logprobs batch item over ``num_prompts`` x 1,000 tokens; print the peak
     resident memory growth while answering (Linux: VmHWM, reset just before)."""
-    from raymoe.engine.completions import ModelLimits
-    from raymoe.engine.run_batch import run_batch
+    from raymoe.engine.api.completions import ModelLimits
+    from raymoe.engine.api.run_batch import run_batch
 
     def resident() -> int:
         with open("/proc/self/statm") as handle:

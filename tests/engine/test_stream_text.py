@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from raymoe.engine.stream_text import TextStream
+from raymoe.engine.api.stream_text import TextStream
 
 
 def simulate(pieces: list[str], stop: tuple[str, ...]) -> tuple[list[str], str]:

@@ -4,7 +4,7 @@ layers' own, in every counter a reader sees (Prometheus, the controller's expert
 import numpy as np
 import torch
 
-from raymoe.engine.ep_exchange import LayerTraffic
+from raymoe.engine.telemetry import LayerTraffic
 from raymoe.engine.telemetry import Telemetry
 
 

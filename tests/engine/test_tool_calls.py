@@ -8,15 +8,15 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from raymoe.engine.chat import ChatStream, plan_chat
+from raymoe.engine.api.chat import ChatStream, plan_chat
 from raymoe.engine.demo_tokenizer import CHATML_TEMPLATE, write_demo_tokenizer
-from raymoe.engine.openai_protocol import (
+from raymoe.engine.api.openai_protocol import (
     ChatCompletionRequest,
     RequestError,
     decode_request,
 )
 from raymoe.engine.tokenizer import Tokenizer
-from raymoe.engine.tool_calls import (
+from raymoe.engine.api.tool_calls import (
     HermesParser,
     MistralParser,
     NamedParser,

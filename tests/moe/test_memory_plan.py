@@ -9,7 +9,7 @@ import pytest
 
 from raymoe.moe.memory_plan import (CUDA_RESERVE_BYTES, DeploymentShape, kv_cache_blocks, lower_what, plan_memory,
                                     worker_pool_rows)
-from raymoe.moe.model_config import parse_model_config
+from raymoe.engine.hf_config import parse_model_config
 
 # hidden 64, expert intermediate 96, 2 MoE layers, 4 heads of 16, 2 kv heads, 8 experts, top-2, vocab 320
 RAW = {"architectures": ["MixtralForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -97,7 +97,7 @@ def test_kv_cache_is_what_the_engine_allocates(tmp_path):
     from raymoe.engine.demo_model import write_demo_model
     from raymoe.engine.engine import EngineConfig, LLMEngine
     from raymoe.engine.scheduler import SchedulerConfig
-    from raymoe.moe.model_config import load_model_config
+    from raymoe.engine.hf_config import load_model_config
 
     model_dir = write_demo_model(str(tmp_path / "demo"))
     model = load_model_config(model_dir)
@@ -120,7 +120,7 @@ def test_pool_bytes_are_what_an_expert_worker_allocates(tmp_path, balancer):
     from raymoe.actors.expert_worker import ExpertWorker
     from raymoe.engine.demo_model import write_demo_model
     from raymoe.moe.initial_placement import initial_placement
-    from raymoe.moe.model_config import load_model_config
+    from raymoe.engine.hf_config import load_model_config
 
     model_dir = write_demo_model(str(tmp_path / "demo"))
     model = load_model_config(model_dir)

@@ -278,8 +278,8 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(server, tokenizer):
 # ---- run-batch answers as the server does ------------------------------------------------
 def test_run_batch_serves_echo_batches_and_n_as_the_server_does(client, reference, tokenizer):
     from raymoe.cluster.run_batch_cli import InProcessBatchEngine
-    from raymoe.engine.completions import ModelLimits
-    from raymoe.engine.run_batch import run_batch
+    from raymoe.engine.api.completions import ModelLimits
+    from raymoe.engine.api.run_batch import run_batch
 
     bodies = [{"model": "tiny", "prompt": [PROMPT_IDS, [7, 8, 9]], "echo": True, "max_tokens": 0, "logprobs": 1},
               {"model": "tiny", "prompt": PROMPT_IDS, "n": 2, "seed": 3, "temperature": 1.0, "max_tokens": 5,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from raymoe.engine.chat import plan_chat
-from raymoe.engine.completions import ModelLimits, check_model
-from raymoe.engine.openai_protocol import (
+from raymoe.engine.api.chat import plan_chat
+from raymoe.engine.api.completions import ModelLimits, check_model
+from raymoe.engine.api.openai_protocol import (
     ChatCompletionRequest, DetokenizeRequest, RequestError, TokenizeRequest, decode_request,
 )
 from raymoe.engine.tokenizer import Tokenizer

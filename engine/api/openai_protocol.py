@@ -63,7 +63,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class CompletionRequest(_Sampling, kw_only=True):
     # A string, a list of token ids, or a batch: a list of strings or of token-id lists
-    # (checked in engine/completions.py, which names what is wrong).
+    # (checked in engine/api/completions.py, which names what is wrong).
     prompt: str | list[Any]
     logprobs: int | None = None
     echo: bool = False
@@ -101,7 +101,7 @@ class ToolCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One turn. ``content``: a string, a list of parts (only ``{"type": "text"}`` parts are
-    served; engine/chat.py refuses the others naming them), or null on an assistant turn
+    served; engine/api/chat.py refuses the others naming them), or null on an assistant turn
     that made ``tool_calls``. The history-only fields ``refusal`` and ``annotations`` are
     accepted and not shown to the model; ``audio`` and ``function_call`` only as null
     (as clients echo a previous response's message)."""

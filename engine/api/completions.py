@@ -1,7 +1,7 @@
 """Turn OpenAI request bodies into engine requests, and engine outputs into response bodies.
 
 Shared by ``raymoe run-batch`` and the HTTP ingress, so both accept and answer the same
-things. Every rejection is a :class:`~raymoe.engine.openai_protocol.RequestError` raised
+things. Every rejection is a :class:`~raymoe.engine.api.openai_protocol.RequestError` raised
 before the request reaches the engine's step loop.
 """
 
@@ -14,13 +14,13 @@ from typing import Any
 
 import msgspec
 
-from raymoe.engine.chat import ChatPlan, plan_chat
-from raymoe.engine.choices import (
+from raymoe.engine.api.chat import ChatPlan, plan_chat
+from raymoe.engine.api.choices import (
     SequenceRequest, TextOffsets, best_outputs, chat_logprobs, completion_logprobs, output_positions, prompt_positions,
     sequence_requests, vllm_prompt_logprobs,
 )
 from raymoe.engine.engine import RequestOutput
-from raymoe.engine.openai_protocol import (
+from raymoe.engine.api.openai_protocol import (
     MAX_LOGPROBS,
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,7 +32,7 @@ from raymoe.engine.openai_protocol import (
 from raymoe.engine.prompt_logprobs import PromptLogprobs
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.tokenizer import Tokenizer
-from raymoe.engine.tool_calls import decode_keeping, parse_calls
+from raymoe.engine.api.tool_calls import decode_keeping, parse_calls
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_SEQUENCES = 256  # sequences one request may generate (prompts * best_of): a router's batch or two
@@ -69,7 +69,7 @@ class PreparedRequest:
     include_usage: bool = False
     chat: ChatPlan | None = None  # chat: the tool-call parser and kept markers for the output
     # A batch of prompts (completions), ``n`` choices each out of ``best_of`` sequences
-    # (engine/choices.py); ``prompts`` defaults to ``[prompt_ids]``.
+    # (engine/api/choices.py); ``prompts`` defaults to ``[prompt_ids]``.
     prompts: list[list[int]] = dataclasses.field(default_factory=list)
     n: int = 1
     best_of: int = 1
@@ -303,6 +303,6 @@ def chat_message(plan: ChatPlan | None, text: str, choice: dict[str, Any]) -> di
 def logprobs_body(output: RequestOutput, tokenizer: Tokenizer | None, chat: bool, start: int = 0,
                   offsets: TextOffsets | None = None) -> dict[str, Any]:
     """Logprobs of the generated tokens ``start:`` in OpenAI's completions or chat layout
-    (a stream's pieces, ``offsets`` carried from one to the next; see engine/choices.py)."""
+    (a stream's pieces, ``offsets`` carried from one to the next; see engine/api/choices.py)."""
     positions = output_positions(output, start)
     return chat_logprobs(positions, tokenizer) if chat else completion_logprobs(positions, tokenizer, offsets)

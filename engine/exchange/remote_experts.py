@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from raymoe.engine.ep_exchange import RouterExchange
+from raymoe.engine.exchange.ep_exchange import RouterExchange
 from raymoe.engine.telemetry import Telemetry
 from raymoe.kernels import native_cpu
 from raymoe.kernels.comm.errors import CommError

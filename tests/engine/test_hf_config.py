@@ -5,13 +5,8 @@ from __future__ import annotations
 import pytest
 
 from raymoe.moe.gating import ScoringFunction
-from raymoe.moe.model_config import (
-    AttentionKind,
-    QKNorm,
-    SharedExpertKind,
-    UnsupportedModelError,
-    parse_model_config,
-)
+from raymoe.moe.model_config import AttentionKind, QKNorm, SharedExpertKind, UnsupportedModelError
+from raymoe.engine.hf_config import parse_model_config
 from tiny_models import ARCHITECTURES, hf_config
 
 

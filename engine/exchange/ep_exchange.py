@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from raymoe.engine.experts import combine_partials, run_rows
+from raymoe.engine.telemetry import LayerTraffic
 from raymoe.kernels import native_cpu
 from raymoe.kernels.comm.errors import CollectiveMismatch, CommError
 from raymoe.kernels.comm.layout import tag_checksum
@@ -104,17 +105,6 @@ def layer_tags(layer: int) -> tuple[str, int, str, int]:
 
 def _header(rows: int, tag: str, epoch: int, kind: int, slot_counts: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor([rows, tag_checksum(tag), epoch, kind, *slot_counts], dtype=torch.int64).to(device)
-
-
-@dataclass(frozen=True)
-class LayerTraffic:
-    """What one layer's exchange moved and cost, as the router saw it."""
-
-    rows_per_worker: list[int]  # [W] over every worker of the placement
-    bytes_sent: int  # dispatch headers + rows, as sent
-    bytes_received: int  # combine rows + trailers, as received
-    dispatch_s: float  # planning the rows and packing them
-    exchange_s: float  # sends, receives and the workers' compute, until the last sum arrived
 
 
 class RouterExchange:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from raymoe.engine.chat import ChatStream
-from raymoe.engine.choices import TextOffsets, completion_logprobs, prompt_positions
-from raymoe.engine.completions import Endpoint, PreparedRequest, logprobs_body
+from raymoe.engine.api.chat import ChatStream
+from raymoe.engine.api.choices import TextOffsets, completion_logprobs, prompt_positions
+from raymoe.engine.api.completions import Endpoint, PreparedRequest, logprobs_body
 from raymoe.engine.engine import RequestOutput
 from raymoe.engine.prompt_logprobs import PromptLogprobs
-from raymoe.engine.stream_text import TextStream
+from raymoe.engine.api.stream_text import TextStream
 from raymoe.engine.tokenizer import Tokenizer
 
 

@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
-from raymoe.engine.completions import Endpoint, ModelLimits, PreparedRequest, prepare_request, response_body
+from raymoe.engine.api.completions import Endpoint, ModelLimits, PreparedRequest, prepare_request, response_body
 from raymoe.engine.engine import RequestOutput
-from raymoe.engine.openai_protocol import RequestError, new_id
+from raymoe.engine.api.openai_protocol import RequestError, new_id
 from raymoe.engine.prompt_logprobs import PromptLogprobs
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.tokenizer import Tokenizer

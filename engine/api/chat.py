@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from raymoe.engine.openai_protocol import (
+from raymoe.engine.api.openai_protocol import (
     ChatCompletionRequest,
     ChatMessage,
     NamedToolChoice,
@@ -19,7 +19,7 @@ from raymoe.engine.openai_protocol import (
 )
 from raymoe.engine.structured_output import StructuredOutput
 from raymoe.engine.tokenizer import ChatTemplateError, Tokenizer
-from raymoe.engine.tool_calls import (
+from raymoe.engine.api.tool_calls import (
     NamedParser,
     RequiredParser,
     ToolCallParser,
