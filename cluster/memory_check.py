@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from raymoe.cluster.config import ClusterConfig
-from raymoe.cluster.plan_cli import bytes_text
+from raymoe.cluster.units import bytes_text
 from raymoe.moe.memory_plan import (DTYPE_BYTES, DeploymentShape, MemoryPlan, RouterMemory, WorkerMemory, lower_what,
                                     plan_memory)
 from raymoe.engine.hf_config import parse_model_config

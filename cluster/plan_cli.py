@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from raymoe.cluster.units import bytes_text
+
 _MIB = 1 << 20
 
 
@@ -396,14 +398,6 @@ def count_text(count: float) -> str:
         if count >= scale:
             return f"{count / scale:.3g}{unit}" if count < 100 * scale else f"{count / scale:.0f}{unit}"
     return f"{count:.0f}"
-
-
-def bytes_text(count: float) -> str:
-    """Bytes in decimal units (the GPU sizes above are decimal GB): 93.4 GB, 5.24 MB, 512 B."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if count >= scale:
-            return f"{count / scale:.3g} {unit}" if count < 100 * scale else f"{count / scale:.0f} {unit}"
-    return f"{count:.0f} B"
 
 
 def _kv_cache_per_token(model: str, bytes_per_value: int) -> tuple[int | None, str]:
