@@ -13,25 +13,116 @@ dedicated non-blocking stream, under a lock that `abort()` also takes. Ordering 
 first waits for an event recorded on torch's current stream (so the send buffer is
 ready), and the host then waits, polling an event, until the group finished or the
 deadline passed (so the returned tensor is complete and the deadline is enforced).
+
+Aborts are bounded (issue 34, item 4). ``ncclCommAbort`` can itself block (a kernel or a
+proxy thread that never ends), and ``abort()`` runs it while holding the lock ``_post``
+needs. So every abort of a handle runs on a thread of its own and is waited for at most
+``ABORT_BOUND_S`` (cupy releases the GIL inside ``ncclCommAbort``, so the wait is real). Past
+the bound the process cannot trust its GPU any more: :data:`on_abort_hung` is called, whose
+default ends the process (exit status ``ABORT_HUNG_EXIT_CODE``). A raymoe actor that ends is
+what the controller's recovery already replaces: routers and workers run with
+``max_restarts=-1``, and ``Controller.recover`` finds a dead worker lost (waits for Ray's
+restart, reloads its experts) and a restarted router by its new pid (the controller's poll
+loop starts that recovery when a router dies). ``_wait``'s ``check_async_error`` and the
+abort never touch one handle at once: the handle is taken out under ``_handle_lock`` before
+it is aborted, and the check runs under the same lock on the handle it found there.
+
+``NcclCommunicator.loopback`` moves a buffer to this rank itself through NCCL (one group of
+``ncclSend`` to self and ``ncclRecv`` from self): ``transfer`` turns self-messages into a local
+copy, so only ``loopback`` exercises the NCCL path on a single GPU (tests, benchmarks/gpu_check.py).
+
+cupy 14 changed ``get_unique_id`` to return bytes and ``NcclCommunicator`` to take bytes
+(cupy 13 and older: a tuple of signed chars); ids travel as 128 ints in 0..255 and are
+converted for the cupy found here (:func:`unique_id_for_cupy`). torch and cupy must use the
+same CUDA major version: :func:`cuda_pairing_problem` is checked before the first
+communicator is made.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from raymoe.kernels.comm.base import Deadline, validate_group, validate_timeout
 from raymoe.kernels.comm.errors import RECOVERY_HINT, CollectiveTimeout, CommError
 from raymoe.kernels.comm.layout import NcclDataType
-from raymoe.kernels.comm.p2p import Message, PointToPointCommunicator
+from raymoe.kernels.comm.p2p import Message, PointToPointCommunicator, as_bytes
 
+LOG = logging.getLogger("raymoe.kernels.comm")
 POLL_INTERVAL_S = 0.00002  # host sleep between completion checks while a group runs
 MINIMUM_WATCHDOG_S = 0.01
 UINT8 = int(NcclDataType.UINT8)  # every message moves as bytes
 NCCL_UNIQUE_ID_BYTES = 128
+# How long one ncclCommAbort may take before the process is given up on. An abort of a
+# healthy or a timed-out group returns in milliseconds to a second or two (it tears down the
+# proxy thread and the connections); one that takes longer is stuck in the driver or behind
+# a kernel that never ends, and nothing this process can do on that GPU will be trusted.
+ABORT_BOUND_S = 20.0
+ABORT_HUNG_EXIT_CODE = 75  # EX_TEMPFAIL: "try again": the actor is restarted, not given up
+CUPY_BYTES_UNIQUE_ID_MAJOR = 14  # cupy >= 14: get_unique_id() -> bytes, NcclCommunicator(commId: bytes)
+
+
+class AbortHung(CommError):
+    """``ncclCommAbort`` did not return within its bound: this process's GPU state is unknown
+    and the process must be replaced (see :data:`on_abort_hung`)."""
+
+    def __init__(self, what: str, bound_s: float) -> None:
+        self.what = what
+        self.bound_s = bound_s
+        super().__init__(f"{what}: ncclCommAbort did not return within {bound_s:.1f} s; this process's GPU "
+                         f"state is unknown, so the process ends and is replaced (its actor is restarted and "
+                         f"the controller's recovery rebuilds the group)")
+
+    def __reduce__(self):
+        return (type(self), (self.what, self.bound_s))
+
+
+def replace_this_process(failure: AbortHung) -> None:
+    """The default :data:`on_abort_hung`: say why on stderr and in the log, then end the
+    process at once (``os._exit``: no atexit handler or finalizer may touch the stuck GPU).
+    Ray restarts the actor (``max_restarts=-1``) and the controller's recovery treats it as a
+    lost rank: a worker is reloaded, a router rejoins with the placement in service."""
+    message = f"raymoe: {failure}; exiting with status {ABORT_HUNG_EXIT_CODE}"
+    try:
+        LOG.critical(message)
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(ABORT_HUNG_EXIT_CODE)
+
+
+# Called (on the thread that waited) when an abort outlives its bound. Tests and
+# benchmarks/gpu_check.py replace it to observe the bound without ending their process.
+on_abort_hung: Callable[[AbortHung], None] = replace_this_process
+
+
+def bounded_abort(nccl_comm, bound_s: float, what: str) -> bool:
+    """``nccl_comm.abort()`` on a thread of its own, waited for at most ``bound_s``.
+
+    True when the abort returned (or raised: best effort, the handle is dropped either way);
+    False when it is still running at the bound, after :data:`on_abort_hung` was called with
+    an :class:`AbortHung` (which, by default, does not return)."""
+    finished = threading.Event()
+
+    def run() -> None:
+        try:
+            nccl_comm.abort()
+        except Exception:  # best effort: the handle is dropped either way
+            pass
+        finally:
+            finished.set()
+
+    threading.Thread(target=run, name="raymoe-nccl-abort", daemon=True).start()
+    if finished.wait(bound_s):
+        return True
+    on_abort_hung(AbortHung(what, bound_s))
+    return False
 
 
 def nccl_unique_id() -> tuple[int, ...]:
@@ -41,12 +132,73 @@ def nccl_unique_id() -> tuple[int, ...]:
     which must stay alive until every rank has created its communicator.
     """
     _, nccl = import_cupy_nccl()
-    return tuple(nccl.get_unique_id())
+    return normalize_unique_id(nccl.get_unique_id())
+
+
+def normalize_unique_id(raw) -> tuple[int, ...]:
+    """cupy's id (bytes from cupy 14 on, a tuple of signed chars before) as 128 ints in 0..255."""
+    return tuple(int(value) & 0xFF for value in raw)
+
+
+def unique_id_for_cupy(values: Sequence[int], cupy_major: int):
+    """The id as this cupy's ``NcclCommunicator`` takes it: ``bytes`` from cupy 14 on, a tuple
+    of signed chars (-128..127) before (cupy 13 assigns each to a C ``char``)."""
+    values = normalize_unique_id(values)
+    if cupy_major >= CUPY_BYTES_UNIQUE_ID_MAJOR:
+        return bytes(values)
+    return tuple(value - 256 if value > 127 else value for value in values)
+
+
+def cupy_major_version(cupy) -> int:
+    try:
+        return int(str(cupy.__version__).split(".")[0])
+    except ValueError:
+        return CUPY_BYTES_UNIQUE_ID_MAJOR  # a development build: the current API
+
+
+def cuda_pairing_problem(torch_cuda: str | None, cupy_runtime_version: int | None,
+                         cupy_version: str = "?") -> str | None:
+    """Why this torch and this cupy cannot share a process's GPU, or None when they can.
+
+    ``torch_cuda`` is ``torch.version.cuda`` ("12.8", "13.0"; None for a CPU build),
+    ``cupy_runtime_version`` cupy's ``runtime.runtimeGetVersion()`` (12080 = 12.8). torch
+    built for CUDA 13 beside ``cupy-cuda12x`` (or the reverse) loads two CUDA runtimes of
+    different major versions and two libnccl builds into one process: install the cupy wheel
+    of torch's major (``pip install 'raymoe[gpu-cu13]'`` for a cu13x torch, ``'raymoe[gpu]'``
+    for cu12x; docs/DEPLOY.md, "GPU packages")."""
+    if torch_cuda is None or cupy_runtime_version is None:
+        return None
+    try:
+        torch_major = int(str(torch_cuda).split(".")[0])
+    except ValueError:
+        return None
+    cupy_major, cupy_minor = cupy_runtime_version // 1000, cupy_runtime_version % 1000 // 10
+    if torch_major == cupy_major:
+        return None
+    extra = "gpu" if torch_major == 12 else f"gpu-cu{torch_major}"
+    return (f"torch is built for CUDA {torch_cuda} but cupy {cupy_version} runs CUDA {cupy_major}.{cupy_minor}: "
+            f"the NCCL communicator needs both on one CUDA major version; install cupy-cuda{torch_major}x "
+            f"(pip install 'raymoe[{extra}]') or a torch built for CUDA {cupy_major}")
+
+
+def _cupy_runtime_version(cupy) -> int | None:
+    for read in (lambda: cupy.cuda.runtime.runtimeGetVersion(), lambda: cupy.cuda.get_local_runtime_version()):
+        try:
+            return int(read())
+        except Exception:
+            continue
+    return None
+
+
+_pairing_checked = False
 
 
 def import_cupy_nccl():
-    """(cupy, cupy.cuda.nccl), imported on first use, with a clear error when missing."""
-    hint = "the NCCL communicator needs cupy with NCCL: pip install 'raymoe[gpu]' (cupy-cuda12x)"
+    """(cupy, cupy.cuda.nccl), imported on first use, with a clear error when missing or when
+    cupy's CUDA major version is not torch's (checked once per process)."""
+    global _pairing_checked
+    hint = ("the NCCL communicator needs cupy with NCCL: pip install 'raymoe[gpu]' (cupy-cuda12x, for a torch "
+            "built for CUDA 12) or 'raymoe[gpu-cu13]' (cupy-cuda13x, for CUDA 13)")
     try:
         import cupy
         from cupy.cuda import nccl
@@ -54,12 +206,19 @@ def import_cupy_nccl():
         raise ImportError(f"{hint}; import failed: {error}") from error
     if not getattr(nccl, "available", False):  # cupy imports, but found no libnccl
         raise ImportError(f"{hint}; cupy is installed but cannot load the NCCL library")
+    if not _pairing_checked:
+        problem = cuda_pairing_problem(torch.version.cuda, _cupy_runtime_version(cupy),
+                                       getattr(cupy, "__version__", "?"))
+        if problem is not None:
+            raise ImportError(problem)
+        _pairing_checked = True
     return cupy, nccl
 
 
 def validate_unique_id(unique_id: Sequence[int]) -> tuple[int, ...]:
     values = tuple(unique_id)
-    if len(values) != NCCL_UNIQUE_ID_BYTES or not all(isinstance(value, int) for value in values):
+    if len(values) != NCCL_UNIQUE_ID_BYTES or not all(isinstance(value, int) and -128 <= value <= 255
+                                                      for value in values):
         raise ValueError(f"an NCCL unique id is {NCCL_UNIQUE_ID_BYTES} ints, got {len(values)} values")
     return values
 
@@ -84,6 +243,11 @@ class NcclCommunicator(PointToPointCommunicator):
         self._nccl_comm = nccl_comm  # cupy.cuda.nccl.NcclCommunicator; None once torn down
         self._stream = stream  # cupy.cuda.Stream(non_blocking=True), used by this group only
         self._closed = nccl_comm is None
+        # Guards taking the handle out (before an abort) against _wait's check_async_error on
+        # it: held for a pointer swap or one non-blocking check, never across an abort.
+        self._handle_lock = threading.Lock()
+        self.abort_bound_s = ABORT_BOUND_S
+        self.aborts_hung = 0  # aborts that outlived their bound (the process normally ends at the first)
 
     @classmethod
     def create(
@@ -107,7 +271,8 @@ class NcclCommunicator(PointToPointCommunicator):
         device = cuda_device(device)
         try:
             with cupy.cuda.Device(device.index):
-                nccl_comm = nccl.NcclCommunicator(world_size, unique_id, rank)
+                nccl_comm = nccl.NcclCommunicator(world_size, unique_id_for_cupy(unique_id, cupy_major_version(cupy)),
+                                                  rank)
                 stream = cupy.cuda.Stream(non_blocking=True)
         except Exception as error:  # cupy raises NcclError, and KeyError for codes it does not know
             raise CommError(f"rank {rank} could not join the NCCL group of {world_size} ranks: "
@@ -129,12 +294,29 @@ class NcclCommunicator(PointToPointCommunicator):
         if tensor.device != self.device:
             raise CommError(f"collective {tag!r}: this NCCL rank moves tensors on {self.device}, got {tensor.device}")
 
+    def _take_handle(self):
+        """The handle, taken out: nothing else will use it (or see it) after this returns."""
+        with self._handle_lock:
+            nccl_comm, self._nccl_comm = self._nccl_comm, None
+            self._closed = True
+        return nccl_comm
+
+    def _abort_handle(self, nccl_comm, what: str) -> None:
+        """Abort a taken-out handle within ``abort_bound_s`` (see the module docstring)."""
+        if nccl_comm is not None and not bounded_abort(nccl_comm, self.abort_bound_s, what):
+            self.aborts_hung += 1
+
     def _teardown(self, abort: bool) -> None:
-        nccl_comm, self._nccl_comm = self._nccl_comm, None
+        # Runs under the issue lock (p2p.close/abort): bounded, so that lock is held at most
+        # abort_bound_s even when ncclCommAbort blocks.
+        nccl_comm = self._take_handle()
         if nccl_comm is None:
             return
+        if abort:
+            self._abort_handle(nccl_comm, f"rank {self.rank} of {self.world_size}: abort()")
+            return
         try:
-            nccl_comm.abort() if abort else nccl_comm.destroy()
+            nccl_comm.destroy()
         except Exception:  # best effort: the handle is dropped either way
             pass
 
@@ -142,6 +324,9 @@ class NcclCommunicator(PointToPointCommunicator):
         """Steps: 1. order after torch's stream, 2. one group of sends/receives, watched."""
         cupy, nccl = import_cupy_nccl()
         deadline = Deadline(self.timeout_s)
+        nccl_comm = self._nccl_comm  # one read: the watchdog may take it out while this issues
+        if nccl_comm is None:
+            raise self._broken(CommError(f"collective {tag!r}: the communicator was aborted. {RECOVERY_HINT}"))
         with cupy.cuda.Device(self.device.index):
             # 1. The dedicated stream waits for work already queued on torch's current stream.
             torch_stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(self.device).cuda_stream)
@@ -158,11 +343,11 @@ class NcclCommunicator(PointToPointCommunicator):
                 nccl.groupStart()
                 try:
                     for message in sends:
-                        self._nccl_comm.send(message.buffer.data_ptr(), message.buffer.numel(), UINT8,
-                                             message.peer, self._stream.ptr)
+                        nccl_comm.send(message.buffer.data_ptr(), message.buffer.numel(), UINT8,
+                                       message.peer, self._stream.ptr)
                     for message in recvs:
-                        self._nccl_comm.recv(message.buffer.data_ptr(), message.buffer.numel(), UINT8,
-                                             message.peer, self._stream.ptr)
+                        nccl_comm.recv(message.buffer.data_ptr(), message.buffer.numel(), UINT8,
+                                       message.peer, self._stream.ptr)
                 finally:
                     nccl.groupEnd()
             except Exception as error:  # NcclError, or KeyError from older cupy for new codes
@@ -182,16 +367,40 @@ class NcclCommunicator(PointToPointCommunicator):
 
     def _watchdog(self, tag: str) -> None:
         """Runs on a timer thread while the issuing thread may be stuck in groupEnd: abort
-        the handle directly (the issue lock is held by that thread) so that groupEnd returns."""
+        the handle directly (the issue lock is held by that thread) so that groupEnd returns;
+        bounded like every abort."""
         self._broken(CollectiveTimeout(tag=tag, timeout_s=self.timeout_s, peer=None, world_size=self.world_size))
-        nccl_comm = self._nccl_comm
-        if nccl_comm is not None:
-            try:
-                nccl_comm.abort()
-            except Exception:
-                pass
-            self._nccl_comm = None
-            self._closed = True
+        self._abort_handle(self._take_handle(), f"rank {self.rank} of {self.world_size}: collective {tag!r} "
+                                                f"not issued before its deadline")
+
+    def _check_async_error(self) -> bool:
+        """``ncclCommGetAsyncError`` on the handle in place, never beside an abort of it (the
+        abort takes the handle out under the same lock first). False when it is gone."""
+        with self._handle_lock:
+            nccl_comm = self._nccl_comm
+            if nccl_comm is None:
+                return False
+            nccl_comm.check_async_error()  # non-blocking
+            return True
+
+    def loopback(self, send: torch.Tensor, recv: torch.Tensor, *, tag: str, timeout_s: float | None = None) -> None:
+        """``recv`` gets ``send``'s bytes through NCCL: one group of ``ncclSend`` to this rank and
+        ``ncclRecv`` from this rank (groupStart / send / recv / groupEnd on the dedicated stream,
+        waited under the deadline), the path every message to a peer takes. ``transfer``
+        copies a message to self locally instead, so on one GPU only this reaches NCCL."""
+        self._check_usable(tag)
+        for tensor in (send, recv):
+            self._check_device(tensor, tag)
+            if not tensor.is_contiguous():
+                raise CommError(f"collective {tag!r}: loopback buffers must be contiguous")
+        if send.numel() * send.element_size() != recv.numel() * recv.element_size():
+            raise CommError(f"collective {tag!r}: loopback sends {send.numel() * send.element_size()} bytes into "
+                            f"{recv.numel() * recv.element_size()}")
+        deadline = Deadline(self.timeout_s if timeout_s is None else timeout_s)
+        with self._issue_lock:
+            self._check_usable(tag)
+            pending = self._post([Message(self.rank, as_bytes(send))], [Message(self.rank, as_bytes(recv))], tag)
+        self._wait(pending, deadline, tag)
 
     def _wait(self, finished, deadline: Deadline, tag: str) -> None:
         """Wait on the host, polling, so the deadline holds; the result is complete on return."""
@@ -202,10 +411,11 @@ class NcclCommunicator(PointToPointCommunicator):
             if deadline.has_expired():
                 failure = self._broken(CollectiveTimeout(
                     tag=tag, timeout_s=deadline.timeout_s, peer=None, world_size=self.world_size))
-                self.abort()  # unblocks the kernels of this group so the GPU is usable again
+                self.abort()  # unblocks the kernels of this group so the GPU is usable again (bounded)
                 raise failure
             try:
-                self._nccl_comm.check_async_error()
+                if not self._check_async_error():
+                    continue  # aborted meanwhile: the check at the top of the loop says so
             except Exception as error:  # NcclError (a peer's connection broke), KeyError (old cupy)
                 failure = self._broken(CommError(
                     f"collective {tag!r}: NCCL reported an asynchronous error ({type(error).__name__}: {error}); "
