@@ -1,9 +1,15 @@
 """NcclCommunicator: import and guards on any machine; a world-size-1 group on a GPU.
 
 The CPU tests check what needs no GPU (the module imports without cupy, the guards before
-any CUDA call). The `gpu` tests run one rank on one GPU, sending to itself through the same
-groupStart / send / recv / groupEnd path that a multi-GPU group uses. Multi-GPU groups are
-not tested here (see docs/COMMUNICATORS.md, "Unverified").
+any CUDA call). The `gpu` tests run one rank on one GPU. With a world of 1, ``transfer`` (and
+so ``exchange_counts``, ``exchange_payload`` and ``barrier``) turns every message to self into
+a local copy and never reaches NCCL: those tests check the collectives' bookkeeping, the
+stream ordering of the copy and init / close. The NCCL path itself is tested through
+``NcclCommunicator.loopback``: one group of ``ncclSend`` to this rank and ``ncclRecv`` from it
+(groupStart / send / recv / groupEnd on the communicator's stream, waited under the
+deadline), the path a message to a peer takes; a counting proxy around the cupy handle and
+around ``groupStart``/``groupEnd`` proves each call was made. Multi-GPU groups are not tested
+here (benchmarks/gpu_check_2gpu.py runs one router and one worker on two GPUs).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -124,3 +131,88 @@ def test_single_rank_orders_after_torch_stream_and_closes(single_rank):
     single_rank.close()
     with pytest.raises(CommClosedError, match="'after close'"):
         single_rank.exchange_payload(send, [4096], [4096], tag="after close")
+
+
+class CountingHandle:
+    """Forwards to cupy's NcclCommunicator, counting the calls the loopback must make."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.calls: list[tuple[str, int]] = []
+
+    def send(self, pointer, count, datatype, peer, stream):
+        self.calls.append(("send", peer))
+        return self.handle.send(pointer, count, datatype, peer, stream)
+
+    def recv(self, pointer, count, datatype, peer, stream):
+        self.calls.append(("recv", peer))
+        return self.handle.recv(pointer, count, datatype, peer, stream)
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+
+@pytest.fixture
+def counted_groups(monkeypatch):
+    from cupy.cuda import nccl
+
+    calls = []
+    for name in ("groupStart", "groupEnd"):
+        original = getattr(nccl, name)
+
+        def counted(_original=original, _name=name):
+            calls.append(_name)
+            return _original()
+
+        monkeypatch.setattr(nccl, name, counted)
+    return calls
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype, shape", [(torch.bfloat16, (37, 7168)), (torch.float32, (1,)),
+                                          (torch.int64, (4096, 8))])
+def test_loopback_really_goes_through_nccl_send_and_recv(single_rank, counted_groups, dtype, shape):
+    single_rank._nccl_comm = handle = CountingHandle(single_rank._nccl_comm)
+    send = (torch.randn(*shape, device="cuda:0") * 100).to(dtype)
+    received = torch.full_like(send, -7)  # poisoned: every element must be written
+    single_rank.loopback(send, received, tag="loopback")
+    assert torch.equal(received, send)
+    assert handle.calls == [("send", 0), ("recv", 0)]
+    assert counted_groups == ["groupStart", "groupEnd"]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_loopback_orders_after_torch_stream(single_rank):
+    send = torch.zeros(4096, 64, device="cuda:0")
+    send.add_(torch.arange(4096, device="cuda:0").unsqueeze(1).float())  # queued right before the call
+    received = torch.empty_like(send)
+    single_rank.loopback(send, received, tag="ordering")
+    assert torch.equal(received, send)
+    with pytest.raises(Exception, match="loopback sends 1048576 bytes into 4"):
+        single_rank.loopback(send, torch.empty(1, device="cuda:0"), tag="sizes")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_real_abort_is_within_its_bound_and_a_new_group_works(single_rank, monkeypatch):
+    from raymoe.kernels.comm import nccl as nccl_module
+    from raymoe.kernels.comm import nccl_unique_id
+
+    hung = []
+    monkeypatch.setattr(nccl_module, "on_abort_hung", hung.append)
+    send = torch.randn(64, 7168, device="cuda:0").to(torch.bfloat16)
+    received = torch.empty_like(send)
+    single_rank.loopback(send, received, tag="before abort")
+    started = time.monotonic()
+    single_rank.abort()
+    assert time.monotonic() - started < single_rank.abort_bound_s and hung == []
+    with pytest.raises(CommClosedError):
+        single_rank.loopback(send, received, tag="after abort")
+    fresh = NcclCommunicator.create(0, 1, nccl_unique_id(), timeout_s=10.0, device=0)
+    try:
+        fresh.loopback(send, received, tag="new group")
+        assert torch.equal(received, send)
+    finally:
+        fresh.close()
