@@ -394,14 +394,15 @@ class LLMEngine:
 class PromptScoring:
     """Scores prompts (echo, prompt logprobs) within the engine's token budget.
 
-    Legend: B the token budget (``max_num_batched_tokens``), V vocabulary, N alternatives.
+    Legend: T the tokens of one forward, Tb the token budget (``max_num_batched_tokens``), D
+    hidden size, V vocabulary, Na alternatives, Tp a prompt's tokens.
 
-    The prompts' tokens, in order, run as forwards of at most B tokens each (a prompt longer
-    than B is spread over several, its earlier tokens' keys and values in the KV cache, as in
+    The prompts' tokens, in order, run as forwards of at most Tb tokens each (a prompt longer
+    than Tb is spread over several, its earlier tokens' keys and values in the KV cache, as in
     chunked prefill). After each forward the positions that predict a next prompt token go
-    through the vocabulary projection and a float32 log_softmax together, ``[<= B, V]``, and only
-    the next token's logprob, its rank and the top N (token, logprob) are kept: no more than
-    ``[B, V]`` logits ever exist, whatever the prompts. A prompt holds KV blocks from its first
+    through the vocabulary projection and a float32 log_softmax together, ``[<= Tb, V]``, and only
+    the next token's logprob, its rank and the top Na (token, logprob) are kept: no more than
+    ``[Tb, V]`` logits ever exist, whatever the prompts. A prompt holds KV blocks from its first
     forward to its last (at most one prompt is part-way between forwards); the blocks a forward
     needs are freed by preempting the newest in-flight sequences, as a step does.
 
@@ -417,7 +418,7 @@ class PromptScoring:
         for sequence in self.sequences:
             engine.validate_prompt(sequence.prompt_ids, SamplingParams(max_tokens=1))
         self._next = 0  # the first prompt not yet computed to its end
-        # Per prompt: with num_top, its positions' (logprob, rank, top) so far; else its logits [L, V].
+        # Per prompt: with num_top, its positions' (logprob, rank, top) so far; else its logits [Tp, V].
         self._chosen: list[list[float | None]] = [[None] for _ in self.sequences]
         self._ranks: list[list[int | None]] = [[None] for _ in self.sequences]
         self._tops: list[list[list[tuple[int, float]] | None]] = [[None] for _ in self.sequences]
@@ -440,7 +441,7 @@ class PromptScoring:
         try:
             for sequence, count in zip(sequences, counts):
                 blocks.grow(sequence.block_table, sequence.num_computed + count)
-            hidden = engine._run(sequences, counts)  # [C, D], C <= the token budget
+            hidden = engine._run(sequences, counts)  # [T, D], T <= Tb
             if self.num_top is None:
                 self._keep_logits(hidden, pieces, starts)
             else:
@@ -500,7 +501,7 @@ class PromptScoring:
 
     def _reduce(self, hidden: torch.Tensor, sequences: list[Sequence], counts: list[int], starts: list[int]
                 ) -> list[tuple[list, list, list]]:
-        """Positions that predict a next prompt token -> (logprob, rank, top N) each, per piece."""
+        """Positions that predict a next prompt token -> (logprob, rank, top Na) each, per piece."""
         rows: list[int] = []
         targets: list[int] = []
         spans: list[int] = []  # each piece's positions that predict a token, in row order
@@ -518,7 +519,7 @@ class PromptScoring:
             device = hidden.device
             index = torch.tensor(rows, dtype=torch.int64, device=device)
             with torch.inference_mode():
-                logits = self.engine.model.logits(hidden.index_select(0, index))  # [<= B, V] float32
+                logits = self.engine.model.logits(hidden.index_select(0, index))  # [<= Tb, V] float32
                 chosen, ranks, tops = reduce_rows(logits, torch.tensor(targets, dtype=torch.int64, device=device),
                                                   self.num_top)
         kept, at = [], 0
@@ -528,9 +529,9 @@ class PromptScoring:
         return kept
 
     def _keep_logits(self, hidden: torch.Tensor, pieces: list[tuple[int, int]], starts: list[int]) -> None:
-        """Copy the forward's logits into each prompt's ``[L, V]`` (on the host)."""
+        """Copy the forward's logits into each prompt's ``[Tp, V]`` (on the host)."""
         with torch.inference_mode():
-            logits = self.engine.model.logits(hidden).cpu()  # [C, V] float32
+            logits = self.engine.model.logits(hidden).cpu()  # [T, V] float32
         offset = 0
         for (index, count), start in zip(pieces, starts):
             if self._logits[index] is None:

@@ -1,14 +1,14 @@
 """The KV cache tensors: per layer, paged tensors addressed through block tables.
 
-Legend: L layers, N blocks of ``bs`` slots, Hkv kv heads, Dk / Dv head sizes, R MLA's latent
-rank, P its roped key size.
+Legend: L layers, Nb blocks of ``bs`` slots, H query heads, Hkv kv heads, Dk / Dv head sizes,
+C MLA's latent rank, Dr its roped key size.
 
 The layout is FlashInfer's NHD, shared with kernels/attention.py: one layer's cache is a tuple
-of ``[N, bs, ...]`` tensors (slot ``s`` is block ``s // bs``, row ``s % bs``):
+of ``[Nb, bs, ...]`` tensors (slot ``s`` is block ``s // bs``, row ``s % bs``):
 
-- GQA: keys ``[N, bs, Hkv, Dk]`` and values ``[N, bs, Hkv, Dv]``;
-- MLA: the latent ``[N, bs, R + P]`` alone (the normalised kv latent, then the roped key),
-  ``H (Dk + Dv) / (R + P)`` times smaller than the heads' keys and values (71x for DeepSeek-V3).
+- GQA: keys ``[Nb, bs, Hkv, Dk]`` and values ``[Nb, bs, Hkv, Dv]``;
+- MLA: the latent ``[Nb, bs, C + Dr]`` alone (the normalised kv latent, then the roped key),
+  ``H (Dk + Dv) / (C + Dr)`` times smaller than the heads' keys and values (71x for DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class KVCache:
                                f"{config.kv_cache_values_per_token}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.tensors = tuple(  # each [L, N, bs, *row]
+        self.tensors = tuple(  # each [L, Nb, bs, *row]
             torch.zeros(config.num_layers, num_blocks, block_size, *shape, dtype=dtype, device=device)
             for shape in shapes
         )
@@ -46,7 +46,7 @@ class KVCache:
         return self.tensors[0].dtype
 
     def layer(self, index: int) -> tuple[torch.Tensor, ...]:
-        """Layer ``index``'s paged tensors, ``[N, bs, *row]`` each (views)."""
+        """Layer ``index``'s paged tensors, ``[Nb, bs, *row]`` each (views)."""
         return tuple(tensor[index] for tensor in self.tensors)
 
     @staticmethod

@@ -1,7 +1,8 @@
 """The decoder forward pass over a flat batch of tokens from many sequences.
 
-Legend: T tokens in the step, D hidden, H heads, Hkv kv heads, d head size, V vocab,
-E experts, k experts per token.
+Legend: T tokens in the step, B sequences, D hidden, H query heads, Hkv kv heads, d head size,
+V vocab, E experts, k experts per token; MLA: C latent rank, Dr roped dims, Dv value head size,
+``nope`` the unroped query/key dims.
 
 One path per concept, chosen by the config's enums: GQA or MLA attention, optional q/k
 norms, dense MLP or routed experts (+ shared experts). Routed experts are reached only
@@ -12,9 +13,9 @@ Attention runs on a backend chosen once, at start-up (:func:`attention_backend`)
 paged kernels on CUDA when it is installed and takes the model's shapes, else the generic
 per-sequence SDPA (kernels/attention.py). It is planned once per step and run by every layer.
 
-MLA keeps only the latent in the cache (R = kv_lora_rank, P = qk_rope_head_dim per token)
-and absorbs ``kv_b_proj`` (DeepSeek's inference form): with ``W_UK [H, nope, R]`` and
-``W_UV [H, v, R]`` its per-head halves, ``q_nope . (W_UK c) = (q_nope W_UK) . c``, so each head
+MLA keeps only the latent in the cache (C = kv_lora_rank, Dr = qk_rope_head_dim per token)
+and absorbs ``kv_b_proj`` (DeepSeek's inference form): with ``W_UK [H, nope, C]`` and
+``W_UV [H, Dv, C]`` its per-head halves, ``q_nope . (W_UK c) = (q_nope W_UK) . c``, so each head
 attends over the latents ``c`` with the query ``[q_nope W_UK, q_rot]`` against ``[c, k_rot]``,
 and its output over the latents is mapped by ``W_UV`` afterwards: the same scores and outputs
 as the expanded form, up to float rounding.
@@ -75,7 +76,7 @@ class MoEModel:
         config = self.config
         x = self.weights.embed.index_select(0, input_ids)  # [T, D]
         interleaved = config.attention is AttentionKind.MLA and config.mla.rope_interleave
-        cos, sin = rope_rows(self.rope_cos, self.rope_sin, positions, x.dtype, interleaved)  # [T, 1, R]
+        cos, sin = rope_rows(self.rope_cos, self.rope_sin, positions, x.dtype, interleaved)  # [T, 1, Dr]
         step = self.attention.plan(metadata, cache.block_size)
         attend = self._mla if config.attention is AttentionKind.MLA else self._gqa
         eps, feed_forward = config.rms_norm_eps, None  # each residual add goes with the norm after it
@@ -131,16 +132,16 @@ class MoEModel:
         q = q.view(num_tokens, heads, mla.qk_head_dim)
         q_nope, q_rot = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         latent, k_rot = linear(h, w.kv_a_proj).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-        latent = rms_norm(latent, w.kv_a_norm, c.rms_norm_eps)  # [T, R]
-        q_rot = apply_rope(q_rot, cos, sin, mla.rope_interleave)  # [T, H, P]
-        k_rot = apply_rope(k_rot.unsqueeze(1), cos, sin, mla.rope_interleave)  # [T, 1, P]
+        latent = rms_norm(latent, w.kv_a_norm, c.rms_norm_eps)  # [T, C]
+        q_rot = apply_rope(q_rot, cos, sin, mla.rope_interleave)  # [T, H, Dr]
+        k_rot = apply_rope(k_rot.unsqueeze(1), cos, sin, mla.rope_interleave)  # [T, 1, Dr]
         (latent_cache,) = cache
-        write_cache(latent_cache, torch.cat([latent, k_rot.squeeze(1)], dim=-1), slot_mapping)  # [T, R + P]
-        # Absorb W_UK into the query: per head, q_nope [T, nope] @ W_UK [nope, R].
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)  # [T, H, R]
-        out = step.attend(torch.cat([q_latent, q_rot], dim=-1), cache)  # [T, H, R]: over the latents
-        # Absorb W_UV into the output: per head, out [T, R] @ W_UV^T [R, v].
-        out = torch.bmm(out.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+        write_cache(latent_cache, torch.cat([latent, k_rot.squeeze(1)], dim=-1), slot_mapping)  # [T, C + Dr]
+        # Absorb W_UK into the query: per head, q_nope [T, nope] @ W_UK [nope, C].
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)  # [T, H, C]
+        out = step.attend(torch.cat([q_latent, q_rot], dim=-1), cache)  # [T, H, C]: over the latents
+        # Absorb W_UV into the output: per head, out [T, C] @ W_UV^T [C, Dv].
+        out = torch.bmm(out.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, Dv]
         return linear(out.reshape(num_tokens, -1), w.o_proj)
 
     # ---- feed forward --------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Choose each sequence's next token from its logits, on the logits' device.
 
-Legend: B sequences in the step, V vocabulary, R rows sampled at random, K candidates kept
-by top-k (or V where a row needs a full sort).
+Legend: B sequences in the step, V vocabulary, Br rows sampled at random, Bp rows with
+penalties, Bc rows cut by top-k or top-p, Kc candidates kept by top-k (or V where a row needs a
+full sort).
 
 Every stage is a batched tensor op over the step's rows; Python loops run over rows only:
 
@@ -36,7 +37,7 @@ from raymoe.engine.structured_output import mask_logits
 
 TopLogprobs = list[tuple[int, float]]
 NUCLEUS_CANDIDATES = 1024  # top-p without top-k looks for its nucleus among these first
-MIN_TEMPERATURE = 1e-5  # below this a request is greedy (the limit of sampling as T -> 0)
+MIN_TEMPERATURE = 1e-5  # below this a request is greedy (the limit of sampling as the temperature -> 0)
 
 
 @dataclass
@@ -64,12 +65,12 @@ def sample(
         tokens = torch.argmax(processed, dim=-1)  # [B]
     if random_rows:
         params = [sequences[i].params for i in random_rows]
-        uniforms = _uniforms([sequences[i].generator for i in random_rows], logits.device)  # [R]
+        uniforms = _uniforms([sequences[i].generator for i in random_rows], logits.device)  # [Br]
         if len(random_rows) == len(sequences):
             tokens = _invert_cdf(torch.softmax(filtered_logits(processed, params), dim=-1), uniforms)
         else:
             index = torch.tensor(random_rows, device=logits.device)
-            probs = torch.softmax(filtered_logits(processed.index_select(0, index), params), dim=-1)  # [R, V]
+            probs = torch.softmax(filtered_logits(processed.index_select(0, index), params), dim=-1)  # [Br, V]
             tokens.index_copy_(0, index, _invert_cdf(probs, uniforms))
     return _to_host(tokens, logprobs_all, [s.params.logprobs for s in sequences])
 
@@ -118,7 +119,7 @@ def _stop_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> list[in
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[int], sequences: list[Sequence]) -> None:
-    """In place on ``logits[rows]``, as vLLM does (P penalised rows)::
+    """In place on ``logits[rows]``, as vLLM does (Bp penalised rows)::
 
         seen   = token in the prompt or the output
         logit  = logit / repetition if seen and logit > 0 else logit * repetition if seen
@@ -126,15 +127,15 @@ def _apply_penalties(logits: torch.Tensor, rows: list[int], sequences: list[Sequ
     """
     vocab, device, dtype = logits.shape[1], logits.device, logits.dtype
     states = [_penalty_state(s, vocab, device, dtype) for s in sequences]
-    counts = torch.stack([state.output_counts for state in states])  # [P, V]
+    counts = torch.stack([state.output_counts for state in states])  # [Bp, V]
     in_output = counts > 0
-    seen = torch.stack([state.prompt_mask for state in states]) | in_output  # [P, V]
+    seen = torch.stack([state.prompt_mask for state in states]) | in_output  # [Bp, V]
 
     def column(name: str) -> torch.Tensor:
         return torch.tensor([getattr(s.params, name) for s in sequences], dtype=dtype, device=device).unsqueeze(1)
 
     index = torch.tensor(rows, device=device)
-    values = logits.index_select(0, index)  # [P, V]
+    values = logits.index_select(0, index)  # [Bp, V]
     factor = torch.where(seen, column("repetition_penalty"), torch.ones((), dtype=dtype, device=device))
     values = torch.where(values > 0, values / factor, values * factor)
     values = values - column("frequency_penalty") * counts - column("presence_penalty") * in_output.to(dtype)
@@ -159,7 +160,7 @@ def _penalty_state(sequence: Sequence, vocab: int, device: torch.device, dtype: 
 
 
 def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Stage 4 over ``logits: [R, V]``: temperature, min-p, top-k, top-p; dropped tokens -inf."""
+    """Stage 4 over ``logits: [Br, V]``: temperature, min-p, top-k, top-p; dropped tokens -inf."""
     vocab, device, dtype = logits.shape[1], logits.device, logits.dtype
     # Bounds that keep the math finite whatever a request asked for: a temperature below
     # MIN_TEMPERATURE would overflow the scaled logits, a top-k past the vocabulary means all.
@@ -179,7 +180,7 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
 
 def _top_k_top_p_threshold(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """``logits: [C, V]`` -> ``[C, 1]``: the smallest logit each row keeps under its top-k,
+    """``logits: [Bc, V]`` -> ``[Bc, 1]``: the smallest logit each row keeps under its top-k,
     then top-p over the renormalised top-k (the smallest prefix reaching top_p, at least one).
 
     A row with top_p and no top-k needs its tokens in order only as far as its nucleus
@@ -189,15 +190,15 @@ def _top_k_top_p_threshold(logits: torch.Tensor, top_k: list[int], top_p: list[f
     """
     vocab, device = logits.shape[1], logits.device
     k_max = max(top_k)
-    full_mass = None  # [C, 1] log of each row's whole mass, where the candidates are a prefix
+    full_mass = None  # [Bc, 1] log of each row's whole mass, where the candidates are a prefix
     if k_max < vocab:
-        values = torch.topk(logits, k_max, dim=-1).values  # [C, K], best first
+        values = torch.topk(logits, k_max, dim=-1).values  # [Bc, Kc], best first
     else:
         values = None
         limited = [k for k in top_k if k < vocab]
         count = max(NUCLEUS_CANDIDATES, max(limited, default=0))
         if count < vocab:
-            candidates = torch.topk(logits, count, dim=-1).values  # [C, count], best first
+            candidates = torch.topk(logits, count, dim=-1).values  # [Bc, count], best first
             log_mass = torch.logsumexp(logits, dim=-1, keepdim=True)
             covered = torch.exp(candidates - log_mass).sum(dim=-1)  # each row's mass among them
             unlimited = torch.tensor([k >= vocab for k in top_k], device=device)
@@ -205,7 +206,7 @@ def _top_k_top_p_threshold(logits: torch.Tensor, top_k: list[int], top_p: list[f
             if bool(((covered >= wanted) | ~unlimited).all()):  # every nucleus lies among them
                 values, full_mass = candidates, torch.where(unlimited.unsqueeze(1), log_mass, float("nan"))
         if values is None:  # only a full sort gives these rows' cumulative mass
-            values = torch.sort(logits, dim=-1, descending=True).values  # [C, V]
+            values = torch.sort(logits, dim=-1, descending=True).values  # [Bc, V]
     rank = torch.arange(values.shape[1], device=device).unsqueeze(0)
     in_top_k = rank < torch.tensor(top_k, device=device).unsqueeze(1)
     probs = torch.softmax(values.masked_fill(~in_top_k, float("-inf")), dim=-1)
@@ -218,7 +219,7 @@ def _top_k_top_p_threshold(logits: torch.Tensor, top_k: list[int], top_p: list[f
 
 
 def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """``[R]`` uniforms in [0, 1): a seeded row's from its own generator, the rest in one draw."""
+    """``[Br]`` uniforms in [0, 1): a seeded row's from its own generator, the rest in one draw."""
     uniforms = torch.empty(len(generators), dtype=torch.float64, device=device)
     seeded = [r for r, g in enumerate(generators) if g is not None]
     if len(seeded) < len(generators):
@@ -231,8 +232,8 @@ def _uniforms(generators: list[torch.Generator | None], device: torch.device) ->
 
 
 def _invert_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """The token whose cumulative-probability interval holds each row's uniform ``[R]``."""
-    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # [R, V]; float64: exact enough for 1e-9 tails
+    """The token whose cumulative-probability interval holds each row's uniform ``[Br]``."""
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # [Br, V]; float64: exact enough for 1e-9 tails
     total = cdf[:, -1:].contiguous()
     chosen = torch.searchsorted(cdf, uniforms.unsqueeze(1) * total, right=True)
     # Rounding may put u * total at the total: the last token with mass is the last candidate.

@@ -1,13 +1,14 @@
 """What a request's output must match (a JSON object, a JSON schema, a regular expression),
 and the grammar machinery that enforces it while sampling.
 
-Legend: B sequences in the step, V vocabulary, W = ceil(V / 32) bitmask words.
+Legend: B sequences in the step, V vocabulary, Vw = ceil(V / 32) bitmask words, Bg the rows
+with a grammar.
 
 ``StructuredOutput`` is the request-side description: frozen and hashable, it keys the
 compiled-grammar cache. Enforcement uses xgrammar (chosen over llguidance by measured cost per
 token, see benchmarks/bench_sampler.py): ``GrammarCompiler`` compiles a description once per
 model vocabulary; each sequence holds a ``GrammarState`` advanced with every accepted token;
-each step ``mask_logits`` fills one ``[R, W]`` token bitmask for the R constrained rows (on
+each step ``mask_logits`` fills one ``[B, Vw]`` token bitmask at the Bg constrained rows (on
 the CPU, in parallel over rows) and applies it to the logits on their device. A finished
 grammar allows only the stop tokens, so it ends in EOS.
 
@@ -234,7 +235,7 @@ class GrammarCompiler:
 
 def mask_logits(logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
     """Set to -inf, in place, every token of ``logits: [B, V]`` that row ``rows[i]``'s grammar
-    ``states[i]`` forbids next. The ``[B, W]`` bitmask is filled on the CPU and moved once to
+    ``states[i]`` forbids next. The ``[B, Vw]`` bitmask is filled on the CPU and moved once to
     the logits' device."""
     import xgrammar
 
@@ -246,7 +247,7 @@ def mask_logits(logits: torch.Tensor, rows: list[int], states: list[GrammarState
 
 
 def fill_bitmask(bitmask: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
-    """Write row ``rows[i]`` of ``bitmask: [B, W]`` int32 (CPU) from ``states[i]``: rows in
+    """Write row ``rows[i]`` of ``bitmask: [B, Vw]`` int32 (CPU) from ``states[i]``: rows in
     parallel on the compiler's threads, a lone row directly (a thread hand-off costs more)."""
     if len(states) == 1:
         states[0]._matcher.fill_next_token_bitmask(bitmask, rows[0])

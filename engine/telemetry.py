@@ -1,6 +1,7 @@
 """Router-side telemetry: what the expert-parallel layers routed, moved and spent.
 
-Legend: L MoE layers, P physical slots, W workers.
+Legend: L MoE layers, E logical experts, P physical slots, W workers, Lr the layers recorded in
+a step, Ns steps read from the ring.
 
 Cumulative counters (since start) and a ring buffer of the last ``capacity`` steps, all
 plain numbers so they travel through Ray as JSON-friendly dicts:
@@ -111,7 +112,7 @@ class Telemetry:
         records = self._layer_counts
         if records:
             layers = np.array([layer for layer, _, _, _ in records], dtype=np.intp)  # each at most once a step
-            counts = np.array([slots for _, slots, _, _ in records], dtype=np.int64)  # [n, P]
+            counts = np.array([slots for _, slots, _, _ in records], dtype=np.int64)  # [Lr, P]
             rows = np.array([per_worker for _, _, per_worker, _ in records], dtype=np.int64).sum(axis=0)  # [W]
             experts = phy2log[layers]  # a logical expert's tokens: the counts of the slots holding it
             held = experts >= 0
@@ -142,7 +143,7 @@ class Telemetry:
     def expert_loads_since(self, cursor: int) -> tuple[int, np.ndarray]:
         """Per-step logical-expert loads of the steps numbered ``>= cursor`` still in the ring.
 
-        Returns the next cursor and ``[n, L, E]``.
+        Returns the next cursor and ``[Ns, L, E]``.
         """
         with self._lock:
             loads = [load for index, load in self.expert_loads if index >= cursor]

@@ -1,6 +1,8 @@
 """Checkpoint tensor names per architecture, shape validation, and loading into stacks.
 
-Legend: D hidden, H heads, Hkv kv heads, d head size, I expert intermediate, S slots.
+Legend: D hidden, H query heads, Hkv kv heads, d head size, I expert intermediate, S slots,
+E routed experts, V vocabulary; MLA: C latent rank (``kv_lora_rank``), Dr roped dims, Dv value
+head size, and the config's ``qk``, ``nope`` and ``q_lora`` dims by name.
 
 Experts are stored one per tensor (``...experts.{j}.gate_proj.weight``; Mixtral's
 ``w1/w3/w2``). The engine stacks the experts it holds into ``w13: [S, 2I, D]`` (gate rows
@@ -38,13 +40,13 @@ class MLAWeights:
     q_a_proj: torch.Tensor | None  # [q_lora, D]
     q_a_norm: torch.Tensor | None
     q_b_proj: torch.Tensor | None  # [H qk, q_lora]
-    kv_a_proj: torch.Tensor  # [kv_lora + rope, D]
-    kv_a_norm: torch.Tensor  # [kv_lora]
-    # kv_b_proj [H (nope + v), kv_lora] split per head, to be absorbed into the query and the
+    kv_a_proj: torch.Tensor  # [C + Dr, D]
+    kv_a_norm: torch.Tensor  # [C]
+    # kv_b_proj [H (nope + Dv), C] split per head, to be absorbed into the query and the
     # output (the cache keeps the latent, engine/model.py):
-    w_uk: torch.Tensor  # [H, nope, kv_lora] latent -> each head's k_nope
-    w_uv: torch.Tensor  # [H, v, kv_lora] latent -> each head's value
-    o_proj: torch.Tensor  # [D, H v]
+    w_uk: torch.Tensor  # [H, nope, C] latent -> each head's k_nope
+    w_uv: torch.Tensor  # [H, Dv, C] latent -> each head's value
+    o_proj: torch.Tensor  # [D, H Dv]
 
 
 @dataclass(frozen=True)

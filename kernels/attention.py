@@ -1,9 +1,9 @@
-"""Paged attention for one step's sequences, with no ``[B, H, Q, K]`` buffer for the batch.
+"""Paged attention for one step's sequences, with no ``[B, H, Tq, Tk]`` buffer for the batch.
 
 Legend: T new tokens in the step (sequences laid out one after another), B sequences,
-H query heads, Hkv kv heads, Dk / Dv key / value sizes, N cache blocks of ``bs`` slots;
-for one sequence, n its new tokens and k the keys they see; R MLA's latent rank, P its
-roped key size.
+H query heads, Hkv kv heads, d head size (Dk / Dv key / value sizes), Nb cache blocks of
+``bs`` slots; for one sequence, Tq its new tokens (queries) and Tk the keys they see; Bd the
+decodes batched into one call; C MLA's latent rank, Dr its roped key size.
 
 Per step, :meth:`AttentionMetadata.build` says for every sequence how many of its tokens are
 new (the last ones), how many it has in all and which cache blocks hold them. A chunk of a
@@ -13,25 +13,25 @@ every layer then runs.
 
 One layer's cache is a tuple of paged tensors (FlashInfer's NHD layout; engine/kv_cache.py):
 
-- GQA: keys ``[N, bs, Hkv, Dk]`` and values ``[N, bs, Hkv, Dv]``;
-- MLA: one latent ``[N, bs, R + P]`` (the normalised kv latent, then the roped key). Every
-  head's key is the whole row and its value the first R columns; queries come absorbed into
-  the latent space (``[T, H, R + P]``) and outputs leave it (``[T, H, R]``), see engine/model.py.
+- GQA: keys ``[Nb, bs, Hkv, Dk]`` and values ``[Nb, bs, Hkv, Dv]``;
+- MLA: one latent ``[Nb, bs, C + Dr]`` (the normalised kv latent, then the roped key). Every
+  head's key is the whole row and its value the first C columns; queries come absorbed into
+  the latent space (``[T, H, C + Dr]``) and outputs leave it (``[T, H, C]``), see engine/model.py.
 
 :class:`SdpaAttention` is the generic path (the CPU, or CUDA without FlashInfer): per
 sequence, torch's SDPA over that sequence's own context, gathered from its blocks into one
-contiguous ``[k, Hkv, D]`` (a view of the cache when its blocks are consecutive). A whole
+contiguous ``[Tk, Hkv, d]`` (a view of the cache when its blocks are consecutive). A whole
 prompt runs ``is_causal`` with no mask; a chunk after cached context, or a sliding window,
 runs in blocks of at most ``QUERY_BLOCK`` queries, each with a mask of its own
-``[<= QUERY_BLOCK, k]``; a decode query sees its (window of) context with no mask. GQA heads
+``[<= QUERY_BLOCK, Tk]``; a decode query sees its (window of) context with no mask. GQA heads
 share their kv head through SDPA's ``enable_gqa``, never a copy. Decodes with short contexts
 (at most ``DECODE_BATCH_MAX_KEYS`` keys, bounded padding) go together instead: one gather of
-their keys ``[B, Hkv, k, D]`` and one masked SDPA call in which each kv head's query heads are
-its queries (so the scores are ``[B, Hkv, H / Hkv, k]``). On a float32 CPU with raymoe's native kernels
+their keys ``[Bd, Hkv, Tk, d]`` and one masked SDPA call in which each kv head's query heads are
+its queries (so the scores are ``[Bd, Hkv, H / Hkv, Tk]``). On a float32 CPU with raymoe's native kernels
 (kernels/native_cpu.py) GQA decodes read their keys where they lie instead, and a lone decode
 goes that way too (the same bits as in a batch). On the CPU, SDPA's flash
 kernel then runs in tiles (it needs 4-D inputs and Dk == Dv, which is why MLA's values are
-the whole latent row and the output is cut to R).
+the whole latent row and the output is cut to C).
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ import torch.nn.functional as F
 from raymoe.kernels import native_cpu
 from raymoe.moe.model_config import AttentionKind, ModelConfig
 
-QUERY_BLOCK = 256  # queries per masked SDPA call: the mask is at most QUERY_BLOCK x k
+QUERY_BLOCK = 256  # queries per masked SDPA call: the mask is at most QUERY_BLOCK x Tk
 # Decodes are batched into one SDPA call when every one sees at most this many keys and
 # padding them to the longest costs at most DECODE_BATCH_MAX_PADDING x their keys: a bounded
-# [B, Hkv, k, D] gather instead of a call per sequence (which costs more than the math at
+# [Bd, Hkv, Tk, d] gather instead of a call per sequence (which costs more than the math at
 # short contexts: measured 1.7 ms of a 12.5 ms decode step at 32 sequences on 2 CPU cores).
 DECODE_BATCH_MAX_KEYS = 2048
 DECODE_BATCH_MAX_PADDING = 2.0
@@ -109,8 +109,8 @@ class AttentionSpec:
     kind: AttentionKind
     num_heads: int
     num_kv_heads: int  # 1 for MLA: one latent shared by every head
-    key_dim: int  # Dk; MLA: R + P
-    value_dim: int  # Dv; MLA: R
+    key_dim: int  # Dk; MLA: C + Dr
+    value_dim: int  # Dv; MLA: C
     scale: float
     sliding_window: int | None
 
@@ -138,7 +138,7 @@ class AttentionBackend(Protocol):
 
 
 def write_cache(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store ``rows: [T, ...]`` at ``slot_mapping`` of one paged cache tensor ``[N, bs, ...]``."""
+    """Store ``rows: [T, ...]`` at ``slot_mapping`` of one paged cache tensor ``[Nb, bs, ...]``."""
     cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows)
 
 
@@ -205,8 +205,8 @@ class _DecodeBatch:
     (kernels/native_cpu.py: no gathered copy, no padding; each sequence reduced on its own)."""
 
     rows: torch.Tensor  # [Bd] their query rows in the step
-    slots: torch.Tensor  # [Bd * k] cache slot of each visible key, padded with a visible one
-    num_keys: int  # k: the most keys any of them sees
+    slots: torch.Tensor  # [Bd * Tk] cache slot of each visible key, padded with a visible one
+    num_keys: int  # Tk: the most keys any of them sees
     counts: torch.Tensor  # [Bd] int64: how many keys each sees (the first of its row of slots)
 
     @classmethod
@@ -222,11 +222,11 @@ class _DecodeBatch:
             return None
         first = torch.tensor([span.first_key for span in decodes]).unsqueeze(1)  # [Bd, 1]
         count = torch.tensor(counts).unsqueeze(1)
-        offset = torch.arange(num_keys).unsqueeze(0)  # [1, k]
+        offset = torch.arange(num_keys).unsqueeze(0)  # [1, Tk]
         visible = offset < count
         position = first + torch.where(visible, offset, 0)  # padding repeats the first key
         seqs = torch.tensor([span.seq for span in decodes]).unsqueeze(1)
-        slots = tables[seqs, position // block_size] * block_size + position % block_size  # [Bd, k]
+        slots = tables[seqs, position // block_size] * block_size + position % block_size  # [Bd, Tk]
         rows = torch.tensor([span.first_row for span in decodes])
         return cls(rows.to(device), slots.reshape(-1).to(device), num_keys, count.reshape(-1).to(device))
 
@@ -239,7 +239,7 @@ class _DecodeBatch:
                                         self.counts, spec.scale, out)
             return
 
-        def gather(paged: torch.Tensor) -> torch.Tensor:  # [N, bs, ...] -> [Bd, heads, k, D]
+        def gather(paged: torch.Tensor) -> torch.Tensor:  # [Nb, bs, ...] -> [Bd, heads, Tk, d]
             keys = paged.flatten(0, 1).index_select(0, self.slots)
             if keys.dim() == 2:  # MLA's latent rows: one shared "head"
                 keys = keys.unsqueeze(1)
@@ -254,7 +254,7 @@ class _DecodeBatch:
         # faster at 32 sequences). Query head h reads kv head h // (H / Hkv), as enable_gqa would.
         kv_heads = keys.shape[1]
         queries = q.index_select(0, self.rows).view(batch, kv_heads, -1, q.shape[-1])  # [Bd, Hkv, H/Hkv, Dk]
-        visible = torch.arange(num_keys, device=self.counts.device) < self.counts.unsqueeze(1)  # [Bd, k]
+        visible = torch.arange(num_keys, device=self.counts.device) < self.counts.unsqueeze(1)  # [Bd, Tk]
         result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=visible[:, None, None, :],
                                                 scale=spec.scale)
         out.index_copy_(0, self.rows, result.reshape(batch, spec.num_heads, -1)[..., : spec.value_dim])
@@ -270,7 +270,7 @@ class SdpaStep:
         self.decodes = decodes
 
     def attend(self, q: torch.Tensor, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        if len(self.spans) == 1 and self.decodes is None:  # SDPA's output is already [n, H, Dv]: no copy
+        if len(self.spans) == 1 and self.decodes is None:  # SDPA's output is already [Tq, H, Dv]: no copy
             return self._attend_span(q, cache, self.spans[0])
         out = q.new_empty(q.shape[0], self.spec.num_heads, self.spec.value_dim)  # [T, H, Dv]
         if self.decodes is not None:
@@ -285,15 +285,15 @@ class SdpaStep:
         first_query = span.num_tokens - span.num_new
         if spec.kind is AttentionKind.MLA:
             (latent,) = cache
-            keys = self._context(latent, span).unsqueeze(1)  # [k, 1, R + P]: keys and values both
+            keys = self._context(latent, span).unsqueeze(1)  # [Tk, 1, C + Dr]: keys and values both
             out = attend_sequence(q, keys, keys, first_query, span.first_key, spec.scale, spec.sliding_window)
-            return out[..., : spec.value_dim]  # the values were the whole row: keep R
+            return out[..., : spec.value_dim]  # the values were the whole row: keep C
         k_cache, v_cache = cache
         keys, values = self._context(k_cache, span), self._context(v_cache, span)
         return attend_sequence(q, keys, values, first_query, span.first_key, spec.scale, spec.sliding_window)
 
     def _context(self, cache: torch.Tensor, span: _Span) -> torch.Tensor:
-        """The sequence's visible context ``[k, ...]`` from a paged ``[N, bs, ...]`` tensor:
+        """The sequence's visible context ``[Tk, ...]`` from a paged ``[Nb, bs, ...]`` tensor:
         a view when its blocks are consecutive, else one gather of its blocks."""
         size = self.block_size
         last_block = (span.num_tokens - 1) // size + 1
@@ -315,8 +315,8 @@ def attend_sequence(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """One sequence: ``q: [n, H, Dk]`` at positions ``first_query + i`` against ``keys: [k, Hkv, Dk]``,
-    ``values: [k, Hkv, Dv]`` at positions ``first_key + j`` (ending with the queries' own) -> ``[n, H, Dv]``.
+    """One sequence: ``q: [Tq, H, Dk]`` at positions ``first_query + i`` against ``keys: [Tk, Hkv, Dk]``,
+    ``values: [Tk, Hkv, Dv]`` at positions ``first_key + j`` (ending with the queries' own) -> ``[Tq, H, Dv]``.
 
     Query i sees key j when ``j <= i`` and, with a window w, ``j > i - w``; keys before
     ``first_key`` are hidden from every query (the caller trims them).
@@ -331,10 +331,10 @@ def attend_sequence(
     outputs = []
     for start in range(0, num_new, QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, num_new)
-        q_pos = torch.arange(first_query + start, first_query + stop, device=q.device).unsqueeze(1)  # [n', 1]
+        q_pos = torch.arange(first_query + start, first_query + stop, device=q.device).unsqueeze(1)  # [Tq', 1]
         lo = first_key if sliding_window is None else max(first_key, first_query + start - sliding_window + 1)
         hi = first_query + stop  # keys after the block's last query are hidden from all of it
-        k_pos = torch.arange(lo, hi, device=q.device)  # [k']
+        k_pos = torch.arange(lo, hi, device=q.device)  # [Tk']
         visible = k_pos <= q_pos
         if sliding_window is not None:
             visible &= k_pos > q_pos - sliding_window
@@ -344,15 +344,15 @@ def attend_sequence(
 
 
 def _sdpa(q, keys, values, scale: float, is_causal: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``q: [n, H, Dk]``, ``keys: [k, Hkv, Dk]``, ``values: [k, Hkv, Dv]`` -> ``[n, H, Dv]``, as 4-D views
+    """``q: [Tq, H, Dk]``, ``keys: [Tk, Hkv, Dk]``, ``values: [Tk, Hkv, Dv]`` -> ``[Tq, H, Dv]``, as 4-D views
     (SDPA's fused CPU kernel takes 4-D inputs only)."""
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),  # [1, H, n, Dk]
-        keys.transpose(0, 1).unsqueeze(0),  # [1, Hkv, k, Dk]
+        q.transpose(0, 1).unsqueeze(0),  # [1, H, Tq, Dk]
+        keys.transpose(0, 1).unsqueeze(0),  # [1, Hkv, Tk, Dk]
         values.transpose(0, 1).unsqueeze(0),
         attn_mask=mask,
         is_causal=is_causal,
         scale=scale,
         enable_gqa=q.shape[1] != keys.shape[1],
-    )  # [1, H, n, Dv]
+    )  # [1, H, Tq, Dv]
     return out[0].transpose(0, 1)

@@ -1,6 +1,7 @@
 """Grouped SwiGLU expert MLP over rows sorted by expert slot.
 
-Legend: A rows (assignments) sorted by slot, S local slots, D hidden, I expert intermediate.
+Legend: A rows (assignments) sorted by slot, S local slots, D hidden, I expert intermediate,
+Sx stacked experts (a worker's pool rows), Aj the rows of one job (one slot's block).
 
 ``y[a] = down_s( silu(gate_s(x[a])) * up_s(x[a]) )`` for the slot ``s`` that row ``a``
 belongs to. Weights are stacked per slot: ``w13: [S, 2I, D]`` (gate rows, then up rows)
@@ -30,6 +31,14 @@ import torch.nn.functional as F
 from raymoe.kernels import native_cpu, packed_linear
 
 
+def kernel_name(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> str:
+    """Which kernel runs these experts (``x: [A, D]`` rows like theirs): ``native-avx512``,
+    ``onednn`` or ``torch`` (a worker's ``info()["expert_kernel"]``)."""
+    if native_cpu.experts_apply(x, w13, w2):
+        return native_cpu.KERNEL
+    return "onednn" if packed_linear.applies(x, w13) and packed_linear.applies(x, w2) else "torch"
+
+
 def grouped_swiglu(
     x: torch.Tensor,
     slot_counts: torch.Tensor | list[int],
@@ -43,7 +52,7 @@ def grouped_swiglu(
     Args:
         x: ``[A, D]`` rows sorted by slot.
         slot_counts: ``[S]`` rows per slot (sums to A).
-        w13: ``[R, 2I, D]``; w2: ``[R, D, I]``: stacked experts (R = S without ``slot_rows``).
+        w13: ``[Sx, 2I, D]``; w2: ``[Sx, D, I]``: stacked experts (Sx = S without ``slot_rows``).
         slot_rows: ``[S]`` which stacked expert serves each slot (a worker's weight pool is
             larger than its slots while a migration stages new experts).
         executor: on the CPU, threads that run some of the experts meanwhile (see
@@ -125,13 +134,13 @@ def _torch_jobs(x: torch.Tensor, out: torch.Tensor, w13: torch.Tensor, w2: torch
     def run_jobs(part: list[tuple[int, int, int]]) -> None:
         for row, begin, end in part:
             if packed:
-                gate_up = packed13.linear(x[begin:end], row)  # [n, 2I]
-                hidden = F.silu(gate_up[:, :intermediate], inplace=True).mul_(gate_up[:, intermediate:])  # [n, I]
-                out[begin:end] = packed2.linear(hidden.contiguous(), row)  # [n, D]
+                gate_up = packed13.linear(x[begin:end], row)  # [Aj, 2I]
+                hidden = F.silu(gate_up[:, :intermediate], inplace=True).mul_(gate_up[:, intermediate:])  # [Aj, I]
+                out[begin:end] = packed2.linear(hidden.contiguous(), row)  # [Aj, D]
             else:
                 gate_up = F.linear(x[begin:end], w13[row])
                 hidden = F.silu(gate_up[:, :intermediate], inplace=True).mul_(gate_up[:, intermediate:])
-                torch.mm(hidden, w2[row].t(), out=out[begin:end])  # [n, D], written in place
+                torch.mm(hidden, w2[row].t(), out=out[begin:end])  # [Aj, D], written in place
 
     return run_jobs
 

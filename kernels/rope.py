@@ -1,11 +1,12 @@
 """Rotary position embeddings: cos/sin tables and their application.
 
-Legend: T tokens, H heads, R rotary dims per head.
+Legend: T tokens, H query heads (keys, with Hkv KV heads, rotate the same way), Dr rotary dims
+per head.
 
 Tables follow the reference implementations: ``inv_freq`` per RoPE type (default, linear,
 yarn), ``cos/sin = cos/sin(cat(freqs, freqs)) * attention_factor`` in float32, cast to
 the activation dtype when applied. Two layouts of the rotated dimensions exist:
-``rotate_half`` pairs ``(x[i], x[i + R/2])``; DeepSeek's interleaved layout pairs
+``rotate_half`` pairs ``(x[i], x[i + Dr/2])``; DeepSeek's interleaved layout pairs
 ``(x[2i], x[2i + 1])`` and returns them de-interleaved (the same for q and k, so their dot
 products are unchanged).
 """
@@ -21,20 +22,20 @@ from raymoe.moe.model_config import RopeConfig, yarn_get_mscale
 
 
 def rope_tables(config: RopeConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin: [max_positions, R]`` float32."""
+    """``cos, sin: [max_positions, Dr]`` float32."""
     inv_freq, attention_factor = _inv_freq(config)
     positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)  # [max_positions, R/2]
+    freqs = torch.outer(positions, inv_freq)  # [max_positions, Dr/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos() * attention_factor, emb.sin() * attention_factor
 
 
 def rope_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
               interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step's rows of the tables, ready for :func:`apply_rope`: ``[T, 1, R]`` each in ``dtype``.
+    """One step's rows of the tables, ready for :func:`apply_rope`: ``[T, 1, Dr]`` each in ``dtype``.
 
     For the ``rotate_half`` layout the sine's first half comes negated, which turns
-    ``rotate_half(x) * sin`` into ``roll(x, R/2) * sin`` (a sign flip is exact: same bits).
+    ``rotate_half(x) * sin`` into ``roll(x, Dr/2) * sin`` (a sign flip is exact: same bits).
     """
     cos = cos.index_select(0, positions).to(dtype).unsqueeze(1)
     sin = sin.index_select(0, positions).to(dtype).unsqueeze(1)
@@ -45,7 +46,7 @@ def rope_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dty
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotate ``x: [T, H, R]`` by ``cos, sin: [T, 1, R]`` from :func:`rope_rows` (same ``interleaved``)."""
+    """Rotate ``x: [T, H, Dr]`` by ``cos, sin: [T, 1, Dr]`` from :func:`rope_rows` (same ``interleaved``)."""
     if not interleaved and native_cpu.rope_applies(x, cos, sin):  # float32 CPU: one call, the same bits
         return native_cpu.rope(x, cos, sin)
     half = x.shape[-1] // 2
@@ -59,7 +60,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 def _inv_freq(config: RopeConfig) -> tuple[torch.Tensor, float]:
     dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (config.theta ** exponents)  # [R/2]
+    inv_freq = 1.0 / (config.theta ** exponents)  # [Dr/2]
     if config.rope_type == "default":
         return inv_freq, 1.0
     if config.rope_type == "linear":

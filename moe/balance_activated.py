@@ -7,7 +7,7 @@ In small decode steps an expert's cost is mostly reading its weights, paid once 
 receives any token. So the busiest worker is the one with the most distinct activated
 experts, not the most tokens ("Balance Activated Experts, Not Tokens", arXiv 2512.09277).
 An expert with share ``q`` of the step's ``A`` assignments and ``c`` replicas (tokens
-spread round-robin) wakes ``E[min(n, c)]`` replicas, ``n ~ Binomial(A, q)``. Because that is
+spread round-robin) wakes ``mean(min(n, c))`` replicas, ``n ~ Binomial(A, q)``. Because that is
 concave in the load, packing by tokens piles many light experts onto one worker, and together
 they wake up more often than one heavy expert. We replicate by load as the global
 balancer does, then pack replicas by activation probability instead of tokens.
@@ -30,7 +30,7 @@ def activation_probability(load: np.ndarray, counts: np.ndarray, assignments_per
     """Mean chance that one replica of each expert is activated in a step.
 
     The expert receives ``n ~ Binomial(A, q)`` assignments and spreads them round-robin, so
-    ``min(n, c)`` of its ``c`` replicas wake up: each with chance ``E[min(n, c)] / c``.
+    ``min(n, c)`` of its ``c`` replicas wake up: each with chance ``mean(min(n, c)) / c``.
     load: [E]; counts: [E] replicas. Returns [E].
     """
     load = np.asarray(load, dtype=np.float64)
@@ -39,17 +39,17 @@ def activation_probability(load: np.ndarray, counts: np.ndarray, assignments_per
     if total <= 0:
         return np.zeros_like(load)
     share = np.clip(load / total, 0.0, 1.0)
-    # Step 1: P(n >= j) for j = 1..max(c), from the binomial pmf built up term by term.
-    pmf = (1.0 - share) ** assignments_per_step  # P(n = 0)
-    at_least = 1.0 - pmf  # P(n >= 1)
+    # Step 1: Pr(n >= j) for j = 1..max(c), from the binomial pmf built up term by term.
+    pmf = (1.0 - share) ** assignments_per_step  # Pr(n = 0)
+    at_least = 1.0 - pmf  # Pr(n >= 1)
     expected = np.zeros_like(share)
     for replicas in range(1, int(counts.max()) + 1):
-        # Step 2: E[min(n, c)] = sum over j <= c of P(n >= j).
+        # Step 2: mean(min(n, c)) = sum over j <= c of Pr(n >= j).
         expected += np.where(counts >= replicas, np.clip(at_least, 0.0, 1.0), 0.0)
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = (assignments_per_step - replicas + 1) / replicas * share / (1.0 - share)
         pmf = np.where(share < 1.0, pmf * np.maximum(ratio, 0.0), np.where(replicas == assignments_per_step, 1.0, 0.0))
-        at_least = at_least - pmf  # P(n >= replicas + 1)
+        at_least = at_least - pmf  # Pr(n >= replicas + 1)
     return expected / np.maximum(counts, 1)
 
 

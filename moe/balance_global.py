@@ -1,7 +1,8 @@
 """Global and hierarchical balancers: replicate hot experts, then pack slots onto workers.
 
 Legend: L MoE layers, E logical experts, W workers, S slots per worker, P = W * S physical
-slots per layer, N nodes, G expert groups (group-limited routing, DeepSeek-V3's n_group).
+slots per layer, M nodes, G expert groups (group-limited routing, DeepSeek-V3's n_group),
+Ni items being packed.
 
 This is DeepSeek's EPLB policy with a better packing step. EPLB places items greedily,
 heaviest first, on the lightest worker with room (LPT). We start from the same greedy
@@ -24,7 +25,7 @@ _COUNT_CANDIDATES = 6
 
 
 def worker_to_node(num_workers: int, num_nodes: int) -> np.ndarray:
-    """[W] node of each worker: contiguous blocks of W / N workers."""
+    """[W] node of each worker: contiguous blocks of W / M workers."""
     if num_nodes <= 0 or num_workers % num_nodes:
         raise ValueError(f"{num_workers} workers do not split evenly onto {num_nodes} nodes")
     return np.arange(num_workers, dtype=np.int64) // (num_workers // num_nodes)
@@ -47,7 +48,7 @@ def replicate_by_load(load: np.ndarray, num_slots: int) -> np.ndarray:
 def greedy_packing(weight: np.ndarray, num_packs: int) -> np.ndarray:
     """LPT with equal counts: heaviest item first onto the lightest pack with room.
 
-    weight: [n] item weights, n divisible by num_packs. Returns pack of each item [n].
+    weight: [Ni] item weights, Ni divisible by num_packs. Returns pack of each item [Ni].
     """
     num_items = weight.shape[0]
     if num_items % num_packs:
@@ -70,7 +71,7 @@ def refine_by_swaps(weight: np.ndarray, pack_of_item: np.ndarray, num_packs: int
     A swap moving ``d`` from a pack at ``high`` to one at ``low`` with ``0 < d < high - low``
     strictly lowers the sum of squared pack weights, so the loop terminates; the busiest
     pack never gets busier, so the maximum never rises.
-    weight: [n]; pack_of_item: [n]. Returns the refined pack of each item [n].
+    weight: [Ni]; pack_of_item: [Ni]. Returns the refined pack of each item [Ni].
     """
     pack_of_item = pack_of_item.copy()
     if num_packs < 2:
@@ -96,7 +97,7 @@ def refine_by_swaps(weight: np.ndarray, pack_of_item: np.ndarray, num_packs: int
 
 
 def pack_evenly(weight: np.ndarray, num_packs: int) -> np.ndarray:
-    """Greedy packing followed by swap refinement. weight: [n]. Returns pack per item [n]."""
+    """Greedy packing followed by swap refinement. weight: [Ni]. Returns pack per item [Ni]."""
     return refine_by_swaps(weight, greedy_packing(weight, num_packs), num_packs)
 
 
@@ -140,7 +141,7 @@ def search_replica_counts(load: np.ndarray, counts: np.ndarray, num_packs: int) 
 
 
 def _items_to_slots(item_expert: np.ndarray, pack_of_item: np.ndarray) -> np.ndarray:
-    """Lay items out pack by pack: [n] expert and pack per item -> [n] expert per slot."""
+    """Lay items out pack by pack: [Ni] expert and pack per item -> [Ni] expert per slot."""
     return item_expert[np.lexsort((item_expert, pack_of_item))]
 
 
@@ -195,8 +196,8 @@ def balance_hierarchical(
 ) -> PlacementTable:
     """Groups onto nodes, replicas within nodes, replicas onto workers.
 
-    load: [L, E]. Needs E % G == 0, G % N == 0, W % N == 0 and every node's slots to hold its
-    experts. Slot ``s`` sits on worker ``s // S``; worker ``w`` on node ``w // (W / N)``.
+    load: [L, E]. Needs E % G == 0, G % M == 0, W % M == 0 and every node's slots to hold its
+    experts. Slot ``s`` sits on worker ``s // S``; worker ``w`` on node ``w // (W / M)``.
     """
     load = validate_shape(load, num_workers, slots_per_worker)
     num_experts = load.shape[1]

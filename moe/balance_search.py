@@ -1,7 +1,7 @@
 """Local search over one layer's placement, with an optional price on copying weights.
 
 Legend: E logical experts, W workers, S slots per worker, P = W * S physical slots,
-K distinct (worker, expert) pairs present in the layer.
+Kp distinct (worker, expert) pairs present in the layer.
 
 Two kinds of move, each evaluated for every candidate at once with numpy:
 
@@ -83,23 +83,23 @@ class _LayerState:
 
 
 def _reassign_moves(state: _LayerState, loads: np.ndarray):
-    """Every reassign move: (gain [K, E], copy delta [K, E], pair workers [K], experts [K])."""
+    """Every reassign move: (gain [Kp, E], copy delta [Kp, E], pair workers [Kp], experts [Kp])."""
     num_workers, num_experts = state.held.shape
     counts = state.counts
     per_replica = state.per_replica()
-    worker, expert = np.nonzero((state.held > 0) & (counts >= 2)[None, :])  # [K]
+    worker, expert = np.nonzero((state.held > 0) & (counts >= 2)[None, :])  # [Kp]
     if worker.size == 0:
         return None
     # Step 1: loads after removing one replica of a from worker u.
-    fewer = state.load[expert] / (counts[expert] - 1)  # [K]
+    fewer = state.load[expert] / (counts[expert] - 1)  # [Kp]
     after_remove = loads[None, :] + state.held[:, expert].T * (fewer - per_replica[expert])[:, None]
-    after_remove[np.arange(worker.size), worker] -= fewer  # [K, W]
+    after_remove[np.arange(worker.size), worker] -= fewer  # [Kp, W]
     # Step 2: loads after adding one replica of b on worker u.
     more = state.load / (counts + 1)  # [E]
     add_shift = (state.held * (more - per_replica)[None, :]).T  # [E, W]
-    after = after_remove[:, None, :] + add_shift[None, :, :]  # [K, E, W]
+    after = after_remove[:, None, :] + add_shift[None, :, :]  # [Kp, E, W]
     after[np.arange(worker.size), :, worker] += more[None, :]
-    gain = _objective(loads) - _objective(after)  # [K, E]
+    gain = _objective(loads) - _objective(after)  # [Kp, E]
     gain[np.arange(worker.size), expert] = -np.inf
     copy_delta = state.is_copy(worker[:, None], np.arange(num_experts)[None, :]).astype(np.int64) - state.drops_copy(
         worker, expert
@@ -108,8 +108,8 @@ def _reassign_moves(state: _LayerState, loads: np.ndarray):
 
 
 def _swap_moves(state: _LayerState, loads: np.ndarray):
-    """Every swap move: (gain [K, K], copy delta [K, K], pair workers [K], experts [K])."""
-    worker, expert = np.nonzero(state.held > 0)  # [K]
+    """Every swap move: (gain [Kp, Kp], copy delta [Kp, Kp], pair workers [Kp], experts [Kp])."""
+    worker, expert = np.nonzero(state.held > 0)  # [Kp]
     per_replica = state.per_replica()
     moved = per_replica[expert][:, None] - per_replica[expert][None, :]  # off u, onto v
     after_u = loads[worker][:, None] - moved

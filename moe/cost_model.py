@@ -1,14 +1,14 @@
 """Cost model: dispatch/combine payload and weight memory per rank.
 
-Legend: N tokens, K experts per token, H hidden size, s bytes per value, R ranks (GPUs),
-E routed experts per layer, M MoE layers, D redundant expert slots per layer.
+Legend: T tokens, k experts per token, D hidden size, s bytes per value, W ranks (GPUs, the
+expert workers), E routed experts per layer, L MoE layers, Xr redundant expert slots per layer.
 
-- Dispatch payload is N x K x H x s; combine returns the same widths, so the same again.
-  With expert owners independent of token sources and balanced over R ranks, a fraction
-  (R - 1) / R of it crosses ranks. Logical payload only: no metadata, padding or timing.
+- Dispatch payload is T x k x D x s; combine returns the same widths, so the same again.
+  With expert owners independent of token sources and balanced over W ranks, a fraction
+  (W - 1) / W of it crosses ranks. Logical payload only: no metadata, padding or timing.
 - Weights per rank: replicated holds everything; expert-parallel holds the non-routed
-  weights plus ceil(E / R) experts of every MoE layer; with D redundant slots per layer,
-  ceil((E + D) / R). One redundant slot on a rank costs M expert weights.
+  weights plus ceil(E / W) experts of every MoE layer; with Xr redundant slots per layer,
+  ceil((E + Xr) / W). One redundant slot on a rank costs L expert weights.
 Parameter counts come from config.json (or a named preset with the same fields), counting
 linear weights and embeddings; norms, biases and FP8 block scales are left out (<0.1%).
 """
@@ -44,7 +44,7 @@ def payload_bytes(num_tokens: int, top_k: int, hidden_size: int, bytes_per_value
             raise ValueError(f"{name} must be >= 0, got {value}")
     if num_ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {num_ranks}")
-    # Step 1: dispatch, N x K x H x s; combine is the same width back.
+    # Step 1: dispatch, T x k x D x s; combine is the same width back.
     dispatch = num_tokens * top_k * hidden_size * bytes_per_value
     # Step 2: the part that leaves its rank.
     remote_fraction = (num_ranks - 1) / num_ranks

@@ -1,7 +1,8 @@
 """A plain re-implementation of DeepSeek's EPLB policy, the baseline our balancers must beat.
 
-Legend: L MoE layers, E logical experts, P physical slots per layer, N nodes, W workers
-(GPUs), G expert groups. ``X`` is any leading batch of rows.
+Legend: L MoE layers, E logical experts, P physical slots per layer, M nodes, W workers
+(GPUs), S slots per worker, G expert groups. ``Xb`` is any leading batch of rows, ``Ni`` the
+items in a row.
 
 It follows the published algorithm step by step and nothing more: replicate the expert
 with the largest load per replica into each redundant slot, then greedily place the
@@ -19,8 +20,8 @@ import numpy as np
 def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
     """Greedy equal-count packing.
 
-    weight: [X, n] item weights, n divisible by num_packs.
-    Returns pack_index [X, n] and rank_in_pack [X, n].
+    weight: [Xb, Ni] item weights, Ni divisible by num_packs.
+    Returns pack_index [Xb, Ni] and rank_in_pack [Xb, Ni].
     """
     num_rows, num_items = weight.shape
     if num_items % num_packs:
@@ -44,8 +45,8 @@ def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
 def replicate_experts(weight: np.ndarray, num_physical: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Fill redundant slots with the expert of largest load per replica.
 
-    weight: [X, num_logical]. Returns phy2log [X, num_physical], replica rank
-    [X, num_physical] and logcnt [X, num_logical].
+    weight: [Xb, num_logical]. Returns phy2log [Xb, num_physical], replica rank
+    [Xb, num_physical] and logcnt [Xb, num_logical].
     """
     num_rows, num_logical = weight.shape
     if num_physical < num_logical:

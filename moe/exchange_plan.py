@@ -1,7 +1,8 @@
 """The router's plan of one MoE layer's exchange, in tensor ops on the activations' device.
 
 Legend: T tokens, k experts per token, E logical experts, S slots per worker, W workers,
-N rows sent (unique (worker, token) pairs).
+P = W * S physical slots, D hidden size, N rows sent (unique (worker, token) pairs), Rc the
+largest replica count of any expert.
 
 The same rules as :mod:`raymoe.moe.plan` (the reference ledger, tested against plain loops):
 
@@ -78,7 +79,7 @@ def plan_exchange(
     num_workers: int,
 ) -> ExchangePlan:
     """Plan one layer. ``kept``: ``[T, k]`` bool from the capacity policy, None when all are kept;
-    ``log2phy: [E, R]`` and ``logcnt: [E]`` on the device of ``topk_ids``."""
+    ``log2phy: [E, Rc]`` and ``logcnt: [E]`` on the device of ``topk_ids``."""
     num_tokens, top_k = topk_ids.shape
     device = topk_ids.device
     slot = choose_slots(topk_ids, kept, log2phy, logcnt)  # [T, k]
@@ -124,7 +125,7 @@ def plan_exchange_on_host(
     (~30 of them per layer): 1.7-2.1x faster at 1-128 tokens and 1-4 workers on the 2-vCPU
     guest of docs/BENCHMARKS.md (benchmarks/bench_exchange_plan.py). One host conversion per
     layer, as on a device: the choices, weights and kept flags come over as one array.
-    ``log2phy: [E, R]`` and ``logcnt: [E]`` are the placement's own arrays.
+    ``log2phy: [E, Rc]`` and ``logcnt: [E]`` are the placement's own arrays.
     """
     num_tokens, top_k = topk_ids.shape
     columns = [topk_ids, topk_weights.to(torch.float64).view(torch.int64)]

@@ -2,21 +2,21 @@
 
 Legend: s bytes per value of the serving dtype, D hidden size, I an expert's intermediate
 size, L MoE layers, E routed experts, k experts per token, V vocabulary, R routers,
-B tokens per step (``engine.max_num_batched_tokens``), S slots per worker, X spare pool rows.
+T tokens per step (``engine.max_num_batched_tokens``), S slots per worker, Xs spare pool rows.
 
 Expert worker (one GPU, or one process on a CPU host):
 
-- **pool**: ``(S + X) * L`` expert rows of ``3 * D * I * s`` bytes (gate, up, down). The X
+- **pool**: ``(S + Xs) * L`` expert rows of ``3 * D * I * s`` bytes (gate, up, down). The Xs
   spare rows are what :func:`worker_pool_rows` gives (cluster/deploy.py passes exactly that
   to every worker): a migration stages incoming experts into them.
 - **packed**: CPU float32 workers with ``cpu.packed_experts`` keep the pool once more in the
   native kernel's layout.
 - **staging** (balancer on): one layer's migration buffers, transient: the rows it sends
   (a list of them and their stacked copy, at most ``min(max_copies, S)``) and the rows it
-  receives (at most X).
-- **activations**: one step's exchange at B tokens from each of R routers: the ``R * B * k``
+  receives (at most Xs).
+- **activations**: one step's exchange at T tokens from each of R routers: the ``R * T * k``
   dispatched rows in and their results out (``D`` values each), and one expert's SwiGLU
-  intermediate (``3 * I`` values) for every one of the ``R * B`` tokens (an expert sees a
+  intermediate (``3 * I`` values) for every one of the ``R * T`` tokens (an expert sees a
   token at most once).
 - **reload peak**: a recovery reload (``ExpertWorker.load_placement`` in a restarted worker)
   rewrites the pool in place, one MoE layer at a time, with at most one row copied aside
@@ -29,12 +29,12 @@ Router:
   embeddings, the output projection), ``s`` bytes each.
 - **KV cache**: as the engine allocates it (:func:`kv_cache_blocks`): ``engine.kv_cache_bytes``
   in whole blocks, at most ``max_num_seqs`` sequences of ``max_model_len``.
-- **activations** at B tokens: per token ``5 D`` (residual, normed, MoE output, ...), q/k/v,
+- **activations** at T tokens: per token ``5 D`` (residual, normed, MoE output, ...), q/k/v,
   the attention output and ``2 k D`` dispatch/combine values of ``s`` bytes, ``E`` float32
   gate logits; plus one sequence's context of one layer gathered for attention.
-- **score logits**: ``score()``/prompt logprobs project up to B positions to the vocabulary:
-  ``B * V`` in the serving dtype, its float32 copy and the float32 log-softmax (``s + 8``
-  bytes per value); a step's sampling logits are no more (``min(max_num_seqs, B) <= B`` rows).
+- **score logits**: ``score()``/prompt logprobs project up to T positions to the vocabulary:
+  ``T * V`` in the serving dtype, its float32 copy and the float32 log-softmax (``s + 8``
+  bytes per value); a step's sampling logits are no more (``min(max_num_seqs, T) <= T`` rows).
 
 On a GPU every rank also reserves ``CUDA_RESERVE_BYTES`` (CUDA context, cuBLAS and NCCL
 workspaces, allocator slack). A rank's need is its peak: the larger of its serving bytes

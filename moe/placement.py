@@ -1,12 +1,12 @@
 """The placement table: which physical slot holds which logical expert, on which worker.
 
 Legend: L MoE layers, E logical experts per layer, W workers, S slots per worker,
-P = W * S physical slots per layer, R the largest replica count of any expert.
+P = W * S physical slots per layer, Rc the largest replica count of any expert.
 
 Index maps follow one vocabulary (``src2dst``):
 
 - ``phy2log: [L, P]``  logical expert held by each physical slot (-1: empty slot)
-- ``log2phy: [L, E, R]`` physical slots holding each logical expert, ascending, -1 padded
+- ``log2phy: [L, E, Rc]`` physical slots holding each logical expert, ascending, -1 padded
 - ``logcnt:  [L, E]``  number of replicas of each logical expert
 - ``slot2worker: [P]`` worker owning each slot (``slot // S``: equal slots per worker)
 - ``worker2node: [W]`` node index of each worker
@@ -42,7 +42,7 @@ class PlacementTable:
     worker2node: np.ndarray  # [W]
     num_experts: int
     epoch: int = 0
-    log2phy: np.ndarray = field(init=False)  # [L, E, R]
+    log2phy: np.ndarray = field(init=False)  # [L, E, Rc]
     logcnt: np.ndarray = field(init=False)  # [L, E]
 
     @classmethod

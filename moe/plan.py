@@ -1,7 +1,8 @@
 """The dispatch plan: the ledger of (token, logical expert, physical slot, worker, weight).
 
-Legend: T tokens, k experts per token, A kept assignments, P physical slots, W workers,
-N rows sent (unique (worker, token) pairs), D hidden size.
+Legend: T tokens, k experts per token, E logical experts, A kept assignments, P physical slots,
+W workers, N rows sent (unique (worker, token) pairs), D hidden size, Rc the largest replica
+count of any expert.
 
 The plan is pure data computed by the router from the gate's output and one layer of the
 :class:`~raymoe.moe.placement.PlacementTable`; executing it is someone else's job:
@@ -68,7 +69,7 @@ def plan_dispatch(
     Args:
         topk_ids: ``[T, k]`` logical experts; ``topk_weights``: ``[T, k]``.
         kept: ``[T, k]`` bool, the assignments that survived capacity.
-        log2phy: ``[E, R]`` slots of each logical expert (-1 padded); ``logcnt: [E]``.
+        log2phy: ``[E, Rc]`` slots of each logical expert (-1 padded); ``logcnt: [E]``.
     """
     num_tokens, top_k = topk_ids.shape
     num_workers = num_slots // slots_per_worker

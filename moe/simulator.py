@@ -1,13 +1,13 @@
 """Routing simulator: what a placement does with a batch of routed tokens.
 
-Legend: L MoE layers, E logical experts, T tokens, K top-k, W workers, S slots per worker,
-P = W * S physical slots, H hidden size, N nodes.
+Legend: L MoE layers, E logical experts, T tokens, k top-k, W workers, S slots per worker,
+P = W * S physical slots, D hidden size, M nodes.
 
 Tokens start on a source worker (contiguous blocks of the batch, as with data-parallel
 attention). The i-th assignment to an expert goes to its replica ``i mod replicas``, so a
 replicated expert's tokens split evenly, the same rule the balancers assume. Per layer it
 counts assignments per worker and dispatch bytes four ways: naive (every assignment is a
-payload, local or not; the seeds' N x K x H x s), remote (assignments leaving their source
+payload, local or not; the seeds' T x k x D x s), remote (assignments leaving their source
 worker), deduplicated per worker (a token goes once to each remote worker however many of
 its experts live there) and deduplicated per node (once to each remote node: the
 cross-node traffic). Combine returns the same widths, so its bytes equal dispatch's.
@@ -79,7 +79,7 @@ def contiguous_sources(num_tokens: int, num_workers: int) -> np.ndarray:
 
 
 def assign_slots(topk_ids: np.ndarray, placement: PlacementTable, layer: int) -> np.ndarray:
-    """[T, K] expert ids of one layer -> [T, K] physical slots, replicas round-robin."""
+    """[T, k] expert ids of one layer -> [T, k] physical slots, replicas round-robin."""
     flat = topk_ids.reshape(-1)
     order = np.argsort(flat, kind="stable")
     sorted_experts = flat[order]
@@ -101,7 +101,7 @@ def simulate_routing(
     capacity_factor: float | None = None,
     source_worker: np.ndarray | None = None,
 ) -> SimulationResult:
-    """Simulate one batch. topk_ids: [L, T, K] expert ids; source_worker: [T] (default:
+    """Simulate one batch. topk_ids: [L, T, k] expert ids; source_worker: [T] (default:
     contiguous blocks). Bytes are summed over layers."""
     topk_ids = np.asarray(topk_ids, dtype=np.int64)
     if topk_ids.ndim != 3 or topk_ids.shape[0] != placement.num_layers:
@@ -120,8 +120,8 @@ def simulate_routing(
     remote = dedup_worker = dedup_node = dropped = 0
     capacity = None if capacity_factor is None else slot_capacity(capacity_factor, num_tokens * top_k, placement.num_slots)
     for layer in range(num_layers):
-        slots = assign_slots(topk_ids[layer], placement, layer)  # [T, K]
-        destination = slots // slots_per_worker  # [T, K]
+        slots = assign_slots(topk_ids[layer], placement, layer)  # [T, k]
+        destination = slots // slots_per_worker  # [T, k]
         slot_count = np.bincount(slots.reshape(-1), minlength=placement.num_slots)
         per_worker[layer] = slot_count.reshape(num_workers, slots_per_worker).sum(axis=1)
         activated[layer] = (slot_count > 0).reshape(num_workers, slots_per_worker).sum(axis=1)

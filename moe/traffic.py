@@ -1,9 +1,9 @@
 """Synthetic router traffic: expert popularity and sampled top-k routing.
 
-Legend: L MoE layers, E logical experts, T tokens, K experts per token (top-k),
-U time steps of a drifting workload.
+Legend: L MoE layers, E logical experts, T tokens, k experts per token (top-k),
+Ns time steps of a drifting workload.
 
-Popularity is a probability per expert per layer. Routing draws each token's K distinct
+Popularity is a probability per expert per layer. Routing draws each token's k distinct
 experts without replacement in proportion to popularity (Gumbel top-k, which is exactly
 sequential sampling without replacement). Kinds:
 
@@ -88,7 +88,7 @@ def drifting_popularity(
     rng: np.random.Generator,
     drift: float = 1.0,
 ) -> np.ndarray:
-    """[U, L, E] popularity moving linearly from one draw of ``spec`` towards another.
+    """[Ns, L, E] popularity moving linearly from one draw of ``spec`` towards another.
 
     drift: how far along the way the last step is (0: no drift, 1: the new hot set).
     """
@@ -103,9 +103,9 @@ def drifting_popularity(
 def sample_routing(
     probabilities: np.ndarray, num_tokens: int, top_k: int, rng: np.random.Generator
 ) -> np.ndarray:
-    """Top-k routing for every layer. probabilities: [L, E]. Returns expert ids [L, T, K].
+    """Top-k routing for every layer. probabilities: [L, E]. Returns expert ids [L, T, k].
 
-    Each token gets K distinct experts, drawn without replacement in proportion to
+    Each token gets k distinct experts, drawn without replacement in proportion to
     popularity (Gumbel top-k).
     """
     probabilities = np.asarray(probabilities, dtype=np.float64)
@@ -117,11 +117,11 @@ def sample_routing(
     with np.errstate(divide="ignore"):
         log_probability = np.log(probabilities)  # [L, E]
     keys = log_probability[:, None, :] + rng.gumbel(size=(probabilities.shape[0], num_tokens, num_experts))
-    return np.argsort(-keys, axis=2)[:, :, :top_k]  # [L, T, K]
+    return np.argsort(-keys, axis=2)[:, :, :top_k]  # [L, T, k]
 
 
 def routing_to_load(topk_ids: np.ndarray, num_experts: int) -> np.ndarray:
-    """[L, T, K] expert ids -> [L, E] assignments per expert."""
+    """[L, T, k] expert ids -> [L, E] assignments per expert."""
     num_layers = topk_ids.shape[0]
     load = np.zeros((num_layers, num_experts), dtype=np.int64)
     for layer in range(num_layers):
