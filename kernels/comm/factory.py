@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import enum
 import secrets
-import socket
 from dataclasses import dataclass
 
 import torch
 
 from raymoe.kernels.comm.base import Communicator
+from raymoe.kernels.comm.ports import free_port
 
 
 class CommBackend(enum.Enum):
@@ -129,10 +129,3 @@ def make_communicator(
         comm.abort()
         raise
     return comm
-
-
-def free_port(host: str) -> int:
-    """A TCP port that was free on `host` (this machine) a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]

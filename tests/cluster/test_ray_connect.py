@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,13 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from raymoe.kernels.comm.ports import free_port
+
 CLI = [sys.executable, "-m", "raymoe.cluster.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

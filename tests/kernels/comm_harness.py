@@ -12,7 +12,6 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import queue
-import socket
 import time
 import traceback
 from dataclasses import dataclass
@@ -28,13 +27,6 @@ class RankResult:
     error: str | None = None  # formatted traceback when the program raised
     exit_code: int | None = None  # None: it did not exit in time and was killed
     reported: bool = False
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _rank_main(program: Callable, rank: int, world_size: int, args: tuple, results) -> None:

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import distributed
 
-from comm_harness import free_port, run_ranks, values
+from comm_harness import run_ranks, values
 from raymoe.kernels.comm import sockets as sockets_module
 from raymoe.kernels.comm import (
     CollectiveMismatch,
@@ -34,6 +34,7 @@ from raymoe.kernels.comm import (
     PeerLostError,
     SocketCommunicator,
 )
+from raymoe.kernels.comm.ports import free_port
 from timing import deadline_margin_s
 
 HOST = "127.0.0.1"

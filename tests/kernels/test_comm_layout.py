@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-from comm_harness import free_port
 from raymoe.kernels.comm import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -36,6 +35,7 @@ from raymoe.kernels.comm.layout import (
     unpack_count_header,
     validate_counts,
 )
+from raymoe.kernels.comm.ports import free_port
 
 # Bytes per element of each ncclDataType_t, from nccl.h.
 NCCL_ELEMENT_BYTES = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2}
