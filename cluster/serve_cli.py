@@ -20,7 +20,7 @@ import urllib.request
 import msgspec
 
 from raymoe.cluster.config import ClusterConfig, ConfigError, IngressMode, load_cluster_config, parse_cluster_config
-from raymoe.kernels.comm.factory import free_port
+from raymoe.kernels.comm.ports import free_port
 
 READY_TIMEOUT_S = 900
 DEPLOYMENT_NAME = "raymoe"  # the named actors HTTP replicas attach to (raymoe status finds them too)
