@@ -18,9 +18,18 @@ every layer:
 
 :func:`flashinfer_unsupported` says why a model cannot use it here (no CUDA, no flashinfer,
 float32, head sizes its kernels are not built for); the engine then keeps the generic path.
+
+FlashInfer compiles (JIT) or loads a kernel module the first time a wrapper is planned and
+run for a dtype / head size / page size: seconds to minutes, inside the first step of a
+router already in the expert-parallel group, where every worker waits under its deadline.
+:func:`warm_up_attention` runs each kind of step a router meets (a prompt, a prompt chunk
+after cached context, a decode batch) once on the real cache before the router joins
+(actors/router.py); on the generic path it costs milliseconds.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -127,3 +136,39 @@ class FlashInferStep:
 def _indptr(lengths: torch.Tensor) -> torch.Tensor:
     """``[B]`` -> ``[B + 1]`` int32 offsets, 0 first."""
     return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
+
+
+def warm_up_attention(backend, cache: tuple[torch.Tensor, ...], block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> dict:
+    """Plan and run ``backend`` once for each kind of step (a prompt; a chunk after cached
+    context; a batch of decodes), reading ``cache`` (one layer's paged tensors, ``[N, bs, ...]``:
+    read only, nothing is written), so that every kernel a first step needs is compiled or
+    loaded now. Errors propagate: a kernel that cannot be built here must fail the start-up,
+    not the first request. Returns what ran and how long it took."""
+    from raymoe.kernels.attention import AttentionMetadata
+
+    num_blocks, spec = cache[0].shape[0], backend.spec
+    steps: list[tuple[str, list[int], list[int], list[list[int]]]] = [
+        ("prompt", [3], [3], [[0]]),
+    ]
+    if num_blocks >= 2:
+        steps += [
+            ("chunk after context", [2], [block_size + 2], [[1, 0]]),
+            ("decodes", [1, 1], [block_size + 1, 2], [[1, 0], [0]]),
+        ]
+    else:
+        steps.append(("decodes", [1], [2], [[0]]))
+    started = time.perf_counter()
+    ran = []
+    for name, new, total, tables in steps:
+        metadata = AttentionMetadata.build(new, total, tables, block_size)
+        metadata = AttentionMetadata(**{key: value.to(device) for key, value in vars(metadata).items()})
+        q = torch.randn(sum(new), spec.num_heads, spec.key_dim, device=device).mul_(0.1).to(dtype)
+        out = backend.plan(metadata, block_size).attend(q, cache)
+        ran.append({"step": name, "tokens": sum(new), "sequences": len(new)})
+        if out.shape[0] != sum(new):
+            raise RuntimeError(f"attention warm-up ({name}): {out.shape[0]} output rows for {sum(new)} tokens")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # a kernel that failed to launch fails here, not in step 1
+    return {"backend": getattr(backend, "name", type(backend).__name__), "steps": ran,
+            "seconds": time.perf_counter() - started}
