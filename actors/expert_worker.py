@@ -38,10 +38,11 @@ from raymoe.engine.checkpoint import Checkpoint
 from raymoe.engine.engine import resolve_dtype
 from raymoe.actors.cpu_affinity import pin_current_thread
 from raymoe.actors.devices import actor_cuda_device
-from raymoe.engine.exchange.ep_exchange import GroupLayout, WorkerExchange
+from raymoe.engine.exchange.ep_exchange import GroupLayout, WorkerExchange, worker_exchange
 from raymoe.engine.host_memory import allocator_in_use, keep_freed_memory
 from raymoe.engine.weights import load_expert_stack, read_expert_into
 from raymoe.kernels import native_cpu, packed_linear
+from raymoe.kernels.expert_mlp import kernel_name
 from raymoe.kernels.comm import CommBackend, make_communicator, new_rendezvous
 from raymoe.kernels.comm.base import Communicator
 from raymoe.engine.hf_config import load_model_config
@@ -173,8 +174,8 @@ class ExpertWorker:
         self.experts: dict[int, list[list[int]]] = {}
         self.staged: dict[tuple[int, int, int], tuple[int, int]] = {}
         self.load_placement(placement)
-        # The kernel its experts run on (kernels/native_cpu.py), built now rather than in the first step.
-        self.expert_kernel = native_cpu.kernel_name(torch.empty(1, self.config.hidden_size, dtype=self.dtype,
+        # The kernel its experts run on (kernels/expert_mlp.py), built now rather than in the first step.
+        self.expert_kernel = kernel_name(torch.empty(1, self.config.hidden_size, dtype=self.dtype,
                                                                     device=self.device), self.w13[0], self.w2[0])
 
     def load_placement(self, placement: dict[str, Any]) -> dict[str, Any]:
@@ -288,7 +289,7 @@ class ExpertWorker:
             "compute_threads": self.threads,
             "pinned_core": self.pinned_core,
             "allocator": allocator_in_use(),  # cpu.allocator (engine/host_memory.py)
-            "expert_kernel": self.expert_kernel,  # native-avx512, onednn or torch (kernels/native_cpu.py)
+            "expert_kernel": self.expert_kernel,  # native-avx512, onednn or torch (kernels/expert_mlp.py)
             "niceness": os.nice(0),
             "epochs": sorted(self.slot_rows),
             "experts": self.experts[latest] if latest is not None else [],
@@ -320,8 +321,9 @@ class ExpertWorker:
             device=self.device if self.device.type == "cuda" else None,
             bind_host=ray.util.get_node_ip_address(),
         )
-        exchange = WorkerExchange(comm, layout, self.slots, self.config.hidden_size, self.config.top_k, self.dtype,
-                                  self.device, self.executor if self.device.type == "cpu" else None)
+        exchange = worker_exchange(comm, layout, self.slots, self.config.hidden_size, self.config.top_k, self.dtype,
+                                   self.device, self.executor if self.device.type == "cpu" else None,
+                                   intermediate_size=self.config.moe_intermediate_size)
         self.exchange, self.generation, self.last_error = exchange, generation, None
         threading.Thread(target=self._serve_loop, args=(exchange,), name=f"worker-{self.worker}-g{generation}",
                          daemon=True).start()

@@ -32,7 +32,7 @@ import traceback
 import numpy as np
 import torch
 
-from raymoe.engine.exchange.ep_exchange import GroupLayout, RouterExchange, WorkerExchange
+from raymoe.engine.exchange.ep_exchange import GroupLayout, router_exchange, worker_exchange
 from raymoe.engine.experts import combine_partials, run_rows
 from raymoe.kernels.comm.ports import free_port
 from raymoe.kernels.comm.sockets import SocketCommunicator
@@ -114,7 +114,8 @@ def floor_router(connection: socket.socket, tokens: int, steps: int) -> list[flo
 
 
 def exchange_worker(comm: SocketCommunicator, steps: int, w13: list[torch.Tensor], w2: list[torch.Tensor]) -> None:
-    exchange = WorkerExchange(comm, GroupLayout(1, (0,)), EXPERTS, HIDDEN, TOP_K, torch.float32, torch.device("cpu"))
+    exchange = worker_exchange(comm, GroupLayout(1, (0,)), EXPERTS, HIDDEN, TOP_K, torch.float32, torch.device("cpu"),
+                               intermediate_size=w2[0].shape[2])
     pool_rows = {0: (list(range(EXPERTS)), torch.arange(EXPERTS))}
     for _ in range(steps):
         for layer in range(LAYERS):
@@ -124,8 +125,8 @@ def exchange_worker(comm: SocketCommunicator, steps: int, w13: list[torch.Tensor
 def exchange_router(comm: SocketCommunicator, tokens: int, steps: int) -> list[float]:
     placement = single_worker_placement(LAYERS, EXPERTS)
     hidden, ids, weights = routing(tokens)
-    exchange = RouterExchange(comm, GroupLayout(1, (0,)), 0, 1, EXPERTS, TOP_K, HIDDEN, torch.float32,
-                              torch.device("cpu"))
+    exchange = router_exchange(comm, GroupLayout(1, (0,)), 0, 1, EXPERTS, TOP_K, HIDDEN, torch.float32,
+                               torch.device("cpu"))
     times = []
     for step in range(steps):
         started = time.perf_counter()

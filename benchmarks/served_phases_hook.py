@@ -84,7 +84,7 @@ def _group_step(function):
 def install() -> None:
     from raymoe.actors import router
     from raymoe.engine import engine, model
-    from raymoe.engine.exchange import ep_exchange, remote_experts
+    from raymoe.engine.exchange import native_sides, python_sides, remote_experts, sides
     from raymoe.kernels import native_cpu
 
     router.Router._group_step = _group_step(router.Router._group_step)
@@ -98,18 +98,22 @@ def install() -> None:
     remote_experts.plan_exchange_on_host = _timed("plan", remote_experts.plan_exchange_on_host)
     native_cpu.plan_pack = _timed("plan", native_cpu.plan_pack)  # (the native plan packs the rows too)
     remote_experts.RemoteExperts._record = _timed("record", remote_experts.RemoteExperts._record)
-    ep_exchange.RouterExchange.exchange = _timed("exchange", ep_exchange.RouterExchange.exchange)
-    ep_exchange.WorkerExchange.receive_headers = _timed("headers", ep_exchange.WorkerExchange.receive_headers)
-    ep_exchange.run_rows = _timed("experts", ep_exchange.run_rows)
-    ep_exchange.native_run_rows = _timed("experts", ep_exchange.native_run_rows)  # the native kernels' one call
-    serve_layer = _timed("serve", ep_exchange.WorkerExchange.serve_layer)
+    sides.RouterExchange.exchange = _timed("exchange", sides.RouterExchange.exchange)  # (both sides' template)
+    python_sides.run_rows = _timed("experts", python_sides.run_rows)
+    python_sides.native_run_rows = _timed("experts", python_sides.native_run_rows)  # the native kernels' one call
+    for side in (python_sides.PythonWorkerExchange, native_sides.NativeWorkerExchange):
+        side.receive_headers = _timed("headers", side.receive_headers)
+        side.serve_layer = _counted_serve_layer(_timed("serve", side.serve_layer),
+                                                native=side is native_sides.NativeWorkerExchange)
 
+
+def _counted_serve_layer(serve_layer, native: bool):
     def counted_serve_layer(self, layer, *args, **kwargs):  # a worker counts a step at its first layer
         result = serve_layer(self, layer, *args, **kwargs)
-        if self._native:  # the layer in one native call: its experts' time comes back in the result
+        if native:  # the layer in one native call: its experts' time comes back in the result
             _add("experts", result.compute_s)
         if layer == 0:
             _count_step()
         return result
 
-    ep_exchange.WorkerExchange.serve_layer = counted_serve_layer
+    return counted_serve_layer

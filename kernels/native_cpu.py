@@ -1,5 +1,6 @@
-"""raymoe's native CPU kernels: float32 on AVX-512F, compiled on first use (kernels/csrc/cpu_f32.c,
-and kernels/csrc/cpu_exchange.c: a worker's side of a layer's exchange over the sockets transport).
+"""raymoe's native CPU kernels: float32 on AVX-512F (kernels/csrc/cpu_f32.c), the compute wrappers.
+The library is built and loaded by kernels/native_library.py; the exchange's native layer calls
+(kernels/csrc/cpu_exchange.c) have their own ctypes face, kernels/native_exchange.py.
 
 Legend: R stacked experts, D hidden, I expert intermediate, N/K a dense layer's out/in sizes,
 B decoding sequences, H/Hkv query/kv heads, Dk/Dv key/value sizes.
@@ -22,10 +23,9 @@ Python, and a batch of decodes gathered its keys into a padded copy before SDPA.
   torch took ~5 small ops (kernels/norm.py, kernels/rope.py); at one sequence a decode step's
   dispatch overhead, not its math, is what these remove (in-process step at one sequence
   2.14-2.35 -> 1.99-2.20 ms with the lone-decode attention, alternating blocks, 12:00);
-- :func:`worker_layer` and :func:`router_layer`: each side's whole MoE layer of the exchange
-  over the sockets transport in one call (kernels/csrc/cpu_exchange.c; engine/exchange/ep_exchange.py
-  takes them), reading and writing the transport's framed messages itself: at one sequence the
-  served step's CPU outside the experts and the dense part fell by more than half.
+- :func:`run_rows` and :func:`plan_pack`: a worker's received rows through its experts, and a
+  router's plan of a layer with its rows packed for the wire, one call each (the exchange's layer
+  calls, kernels/native_exchange.py, run the former inside theirs).
 
 Contracts:
 - **Row-invariant.** Every output element is one chain of fused multiply-adds in a fixed
@@ -34,122 +34,50 @@ Contracts:
   change a bit of it, as with oneDNN's packed path before).
 - **One kernel per machine.** Results differ from torch's kernels in the last bits; the
   in-process engine, the routers and the workers of one machine all take these where they
-  apply, and :func:`kernel_name` says which runs the experts (a worker's
+  apply, and kernels/expert_mlp.py::kernel_name says which runs the experts (a worker's
   ``info()["expert_kernel"]``). A cluster whose nodes differ (one without AVX-512F or without a
   C compiler) mixes kernels, as it mixed oneDNN's ISA-specific ones before.
 
-Built once per source and compiler with the machine's C compiler (``$CC``, else ``cc``) into
-``$RAYMOE_NATIVE_DIR`` (default ``~/.cache/raymoe/native``), a fraction of a second. Where there
-is no compiler, the CPU lacks AVX-512F or ``RAYMOE_NATIVE_KERNELS=0`` is set, torch's kernels run
-as before (oneDNN, sgemm, SDPA) and the reason is logged once; shapes a kernel does not take
-(see each ``*_applies``) go to torch's too.
+Where the library is unavailable (kernels/native_library.py: no compiler, no AVX-512F,
+``RAYMOE_NATIVE_KERNELS=0``), torch's kernels run as before (oneDNN, sgemm, SDPA); shapes a kernel
+does not take (see each ``*_applies``) go to torch's too. Weights are packed once into the
+kernels' layouts, kept in kernels/weight_cache.py (as oneDNN's packed rows are).
 """
 
 from __future__ import annotations
 
 import array
 import ctypes
-import hashlib
-import logging
 import math
 import mmap
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 
 import torch
 
-from raymoe.kernels import packed_linear
+from raymoe.kernels import weight_cache
+from raymoe.kernels.comm.wire import Status, row_bytes
+# set_enabled and unavailable_reason are the loader's: this module's callers (attention, norms) ask them here
+from raymoe.kernels.native_library import CHUNK_ROWS, STATE, check as _check, set_enabled, unavailable_reason  # noqa: F401
 
-LOG = logging.getLogger("raymoe.kernels")
-
-_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = (os.path.join(_CSRC, "cpu_f32.c"),  # the kernels
-           os.path.join(_CSRC, "cpu_exchange.c"))  # a worker's layer of the exchange over sockets
-CFLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]  # no contraction: only the source's own FMAs
-CHUNK_ROWS = 32  # as in the source: expert rows per pass, the scratch's height
 KERNEL = "native-avx512"
 HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64
 
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_reason: str | None = None  # why the kernels are unavailable (None: not tried yet, or available)
-_tried = False
-_enabled = os.environ.get("RAYMOE_NATIVE_KERNELS", "1").lower() not in ("0", "false", "no", "off")
-_P, _I64 = ctypes.c_void_p, ctypes.c_int64
-_SIGNATURES = {
-    "raymoe_swiglu_experts": [_P] * 5 + [_I64] * 3 + [_P],
-    "raymoe_linear": [_P] * 4 + [_I64] * 3,
-    "raymoe_decode_attention": [_P] * 7 + [_I64] * 6 + [ctypes.c_float],
-    "raymoe_rms_norm": [_P] * 5 + [_I64] * 2 + [ctypes.c_float],
-    "raymoe_rope": [_P, _I64, _P, _P, _P, _I64, _I64, _I64],
-    "raymoe_run_rows": [_P] + [_I64] * 5 + [_P, _P] + [_I64] * 2 + [_P, _P] + [_I64] * 2 + [_P],
-    "raymoe_plan_pack": [_P] * 5 + [_I64] * 6 + [_P, _I64] + [_P] * 5,
-    "raymoe_worker_layer": [_P, _I64, ctypes.c_int32] + [_P] * 3 + [_I64] * 4 + [_P, _I64] + [_P] * 3 + [_I64] * 5 + [_P],
-    "raymoe_router_layer": [_P, _P, _I64, ctypes.c_int32] + [_P] * 4 + [_I64] * 3 + [_P, _I64, _P, _I64, _I64, _P],
-    "raymoe_router_empty_layers": [_P, _I64, ctypes.c_int32, _P, _P, _I64, _P, _I64, _I64, _P, _I64, _P],
-}
-_RETURNS = {name: ctypes.c_int64
-            for name in ("raymoe_run_rows", "raymoe_plan_pack", "raymoe_worker_layer", "raymoe_router_layer",
-                         "raymoe_router_empty_layers")}
-# (the others return an int status)
-
-
-def set_enabled(enabled: bool) -> None:
-    """Take the native kernels where they apply (the default), or torch's always."""
-    global _enabled
-    _enabled = bool(enabled)
-
-
-def unavailable_reason() -> str | None:
-    """None when the kernels are built, loaded and run on this CPU; else why not (built on first call)."""
-    global _library, _reason, _tried
-    if not _enabled:
-        return "turned off (RAYMOE_NATIVE_KERNELS=0 or set_enabled(False))"
-    if _tried:
-        return _reason
-    with _lock:
-        if not _tried:
-            try:
-                library = ctypes.CDLL(_build())
-                if not library.raymoe_native_supported():
-                    raise OSError("this CPU has no AVX-512F")
-                for name, argtypes in _SIGNATURES.items():
-                    function = getattr(library, name)
-                    function.restype, function.argtypes = _RETURNS.get(name, ctypes.c_int), argtypes
-                _library = library
-            except (OSError, subprocess.SubprocessError) as error:
-                _reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                LOG.warning("native CPU kernels unavailable (%s): torch's kernels run instead", _reason)
-            _tried = True
-    return _reason
-
 
 def _takes(*tensors: torch.Tensor) -> bool:
-    return _enabled and all(t.device.type == "cpu" and t.dtype == torch.float32 and not t.requires_grad
+    return STATE.enabled and all(t.device.type == "cpu" and t.dtype == torch.float32 and not t.requires_grad
                             for t in tensors)
 
 
 # ---- experts -------------------------------------------------------------------------------
 def experts_apply(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether :func:`swiglu_jobs` takes these rows and stacks (``[R, 2I, D]``, ``[R, D, I]``):
-    float32 on the CPU, D a multiple of 32 and I of 16, and the packed path not turned off."""
-    # packed_linear.applies: CPU, float32, no grad, rows present, the packed path not turned off
-    if not (_enabled and packed_linear.applies(x, w13) and packed_linear.applies(x, w2)):
+    float32 on the CPU, D a multiple of 32 and I of 16, and packed weights not turned off
+    (kernels/weight_cache.py: ``cpu.packed_experts``)."""
+    if not (_takes(x, w13, w2) and x.numel() > 0 and weight_cache.enabled()):
         return False
     hidden, intermediate = w13.shape[2], w2.shape[2]
     if hidden % 32 or intermediate % 16 or w13.shape[1] != 2 * intermediate or w2.shape[1] != hidden:
         return False
     return unavailable_reason() is None
-
-
-def kernel_name(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> str:
-    """Which kernel runs these experts: ``native-avx512``, ``onednn`` or ``torch``."""
-    if experts_apply(x, w13, w2):
-        return KERNEL
-    return "onednn" if packed_linear.applies(x, w13) and packed_linear.applies(x, w2) else "torch"
 
 
 def swiglu_jobs(x: torch.Tensor, out: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -158,38 +86,38 @@ def swiglu_jobs(x: torch.Tensor, out: torch.Tensor, w13: torch.Tensor, w2: torch
     the caller; ``x`` and ``out`` contiguous ``[A, D]``). Releases the GIL while it runs."""
     if not jobs:
         return
-    packed13, packed2 = _packed_experts(w13, w2)
+    packed13, packed2 = packed_experts(w13, w2)
     flat = array.array("q", [value for job in jobs for value in job])
     scratch = torch.empty(CHUNK_ROWS, w2.shape[2], dtype=torch.float32)
-    _check(_library.raymoe_swiglu_experts(x.data_ptr(), out.data_ptr(), packed13.data_ptr(), packed2.data_ptr(),
-                                          flat.buffer_info()[0], len(jobs), w13.shape[2], w2.shape[2],
-                                          scratch.data_ptr()), "raymoe_swiglu_experts")
+    _check(STATE.library.raymoe_swiglu_experts(x.data_ptr(), out.data_ptr(), packed13.data_ptr(), packed2.data_ptr(),
+                                                flat.buffer_info()[0], len(jobs), w13.shape[2], w2.shape[2],
+                                                scratch.data_ptr()), "raymoe_swiglu_experts")
 
 
 def run_rows(payload: torch.Tensor, top_k: int, maps: torch.Tensor, segment_rows: list[int], w13: torch.Tensor,
              w2: torch.Tensor, assignments: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """A worker's received rows through its experts in one call (engine/experts.py::run_rows's
-    arithmetic, so its bits): ``payload: [N, D*4 + 8k]`` uint8 rows as dispatched (activations,
-    k int32 local slots, k float32 weights), in segments of ``segment_rows`` rows; ``maps:
+    arithmetic, so its bits): ``payload: [N, row_bytes]`` uint8 rows as dispatched
+    (kernels/comm/wire.py::RowFormat: activations, k int32 local slots, k float32 weights), in segments of ``segment_rows`` rows; ``maps:
     [segments, S]`` int64, the pool row serving each local slot for that segment; ``assignments``:
     what the routers' headers announced. Returns ``[N, D]`` float32, written into ``out`` (any
     contiguous float32 buffer of N * D) when given (:func:`experts_apply` checked for the pool,
     float32 rows)."""
-    num_rows, row_bytes = payload.shape
+    num_rows, width = payload.shape
     hidden, intermediate = w13.shape[2], w2.shape[2]
-    packed13, packed2 = _packed_experts(w13, w2)
+    packed13, packed2 = packed_experts(w13, w2)
     payload, maps = payload.contiguous(), maps.contiguous()
     counts = array.array("q", segment_rows)
     out = torch.empty(num_rows, hidden, dtype=torch.float32) if out is None else out.view(num_rows, hidden)
-    status = _library.raymoe_run_rows(payload.data_ptr(), num_rows, row_bytes, hidden, intermediate, top_k,
-                                      maps.data_ptr(), counts.buffer_info()[0], len(segment_rows), maps.shape[1],
-                                      packed13.data_ptr(), packed2.data_ptr(), w13.shape[0], assignments,
-                                      out.data_ptr())
-    if status == -3:
-        raise ValueError("a dispatched row names a local slot or pool row outside this worker's")
-    if status == -4:
-        raise ValueError(f"the routers' headers announced {assignments} assignments but their rows hold others")
+    status = STATE.library.raymoe_run_rows(payload.data_ptr(), num_rows, width, hidden, intermediate, top_k,
+                                           maps.data_ptr(), counts.buffer_info()[0], len(segment_rows), maps.shape[1],
+                                           packed13.data_ptr(), packed2.data_ptr(), w13.shape[0], assignments,
+                                           out.data_ptr())
     if status < 0:
+        if status == Status.BAD_SLOT:
+            raise ValueError("a dispatched row names a local slot or pool row outside this worker's")
+        if status == Status.ASSIGNMENTS:
+            raise ValueError(f"the routers' headers announced {assignments} assignments but their rows hold others")
         _check(int(status), "raymoe_run_rows")
     return out
 
@@ -199,17 +127,12 @@ def plan_applies(hidden: torch.Tensor) -> bool:
     return _takes(hidden) and hidden.dim() == 2 and unavailable_reason() is None
 
 
-def exchange_applies(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the exchange's native layer calls (:func:`router_layer`, :func:`worker_layer`,
-    :func:`router_empty_layers`) take rows of ``dtype`` on ``device``: float32 on the CPU."""
-    return _enabled and device.type == "cpu" and dtype == torch.float32 and unavailable_reason() is None
-
-
 def plan_pack(topk_ids: torch.Tensor, topk_weights: torch.Tensor, kept: torch.Tensor | None, log2phy: torch.Tensor,
               logcnt: torch.Tensor, slots_per_worker: int, num_workers: int, hidden: torch.Tensor):
     """moe/exchange_plan.py's plan of one layer and its rows packed for the wire, in one call
     (:func:`plan_applies` checked). Returns ``(slot [T, k], send_counts, slot_counts, row_token [N],
-    packed [N, 4D + 8k] uint8)``: the same plan, bit for bit, as ``plan_exchange_on_host``."""
+    packed [N, row_bytes] uint8)`` (kernels/comm/wire.py::RowFormat): the same plan, bit for bit, as
+    ``plan_exchange_on_host``."""
     num_tokens, top_k = topk_ids.shape
     width = hidden.shape[1]
     ids = topk_ids.to(torch.int64).contiguous()
@@ -220,8 +143,8 @@ def plan_pack(topk_ids: torch.Tensor, topk_weights: torch.Tensor, kept: torch.Te
     counts = torch.empty(num_workers + num_workers * slots_per_worker, dtype=torch.int64)
     most = num_tokens * num_workers
     row_token = torch.empty(most, dtype=torch.int64)
-    packed = torch.empty(most, 4 * width + 8 * top_k, dtype=torch.uint8)
-    rows = _library.raymoe_plan_pack(
+    packed = torch.empty(most, row_bytes(width, top_k), dtype=torch.uint8)
+    rows = STATE.library.raymoe_plan_pack(
         ids.data_ptr(), weights.data_ptr(), kept_bytes.data_ptr() if kept_bytes is not None else None,
         log2phy.data_ptr(), logcnt.data_ptr(), num_tokens, top_k, log2phy.shape[0], log2phy.shape[1],
         slots_per_worker, num_workers, hidden.data_ptr(), width, slot.data_ptr(), counts.data_ptr(),
@@ -234,94 +157,28 @@ def plan_pack(topk_ids: torch.Tensor, topk_weights: torch.Tensor, kept: torch.Te
     return slot, counts[:num_workers], counts[num_workers:], row_token[:rows], packed[:rows]
 
 
-# ---- a worker's side of one layer of the exchange (kernels/csrc/cpu_exchange.c) ---------------
-# raymoe_worker_layer's flags, statuses and info fields (as in the source)
-LAYER_HEADERS_GIVEN, LAYER_HEADERS_ONLY, LAYER_FIRST = 1, 2, 4
-LAYER_DONE, LAYER_IDLE, LAYER_HEADERS_READ = 0, 1, 2
-LAYER_TIMEOUT, LAYER_LOST, LAYER_FRAME, LAYER_CHECKSUM, LAYER_KINDS, LAYER_EPOCH, LAYER_ABORTED = range(-10, -17, -1)
-INFO_PEER, INFO_A, INFO_B, INFO_C, INFO_D, INFO_ROWS, INFO_ASSIGNMENTS, INFO_COMPUTE_NS, INFO_SENDING = range(9)
-INFO_FIELDS = 9
-
-
-def worker_layer(fds: array.array, wake_fd: int, recv_numbers: array.array, send_numbers: array.array,
-                 headers: array.array, slots: int, flags: int, dispatch_checksum: int, combine_checksum: int,
-                 epochs: array.array, maps: torch.Tensor | None, w13: torch.Tensor | None, w2: torch.Tensor | None,
-                 hidden: int, top_k: int, timeout_s: float, info: array.array) -> int:
-    """One MoE layer of a worker over the sockets transport in one call (kernels/csrc/cpu_exchange.c:
-    read every router's header and rows, run the experts as :func:`run_rows`, send each router
-    its sums and trailer). ``fds`` (int32) the routers' sockets in rank order; ``recv_numbers`` /
-    ``send_numbers`` (int64) the next message numbers, advanced in place; ``headers`` (int64,
-    routers x (4 + slots)) read here unless ``flags`` says given; ``epochs`` (int64) and ``maps``
-    (``[epochs, slots]`` int64) the pool row of each local slot per epoch served; ``w13``, ``w2``
-    the layer's experts (None with ``LAYER_HEADERS_ONLY``). Returns the status (``LAYER_*``
-    above, or :func:`run_rows`'s -1..-4) with details in ``info`` (int64 x ``INFO_FIELDS``).
-    Releases the GIL while it runs (:func:`experts_apply` checked)."""
-    if w13 is None:
-        packed13 = packed2 = maps = None
-        pool, intermediate = 0, 0
-    else:
-        packed13, packed2 = _packed_experts(w13, w2)
-        maps = maps.contiguous()
-        pool, intermediate = w13.shape[0], w2.shape[2]
-    pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
-    return _library.raymoe_worker_layer(
-        fds.buffer_info()[0], len(fds), wake_fd, recv_numbers.buffer_info()[0], send_numbers.buffer_info()[0],
-        headers.buffer_info()[0], slots, flags, dispatch_checksum, combine_checksum, epochs.buffer_info()[0],
-        len(epochs), pointer(maps), pointer(packed13), pointer(packed2), pool, hidden, intermediate, top_k,
-        max(1, int(timeout_s * 1e9)), info.buffer_info()[0])
-
-
-def router_layer(fds: array.array, workers: array.array, wake_fd: int, recv_numbers: array.array,
-                 send_numbers: array.array, send_counts: array.array, slot_counts: array.array, slots: int,
-                 epoch: int, dispatch_checksum: int, packed: torch.Tensor | None, row_bytes: int,
-                 received: torch.Tensor, sum_bytes: int, timeout_s: float, info: array.array) -> int:
-    """A router's side of one MoE layer over the sockets transport in one call
-    (kernels/csrc/cpu_exchange.c): to each worker (``fds`` int32, ``workers`` int64: their
-    sockets and worker indices, in rank order) its header and its rows of ``packed`` (the plan's
-    rows in worker order, ``row_bytes`` each; None with no rows), then every worker's sums and
-    trailer into ``received`` (contiguous uint8, in rank order). ``send_counts`` /
-    ``slot_counts`` (int64) are the plan's, over every worker of the placement. Returns the
-    status (``LAYER_DONE`` or a transport ``LAYER_*``), details in ``info``; releases the GIL."""
-    return _library.raymoe_router_layer(
-        fds.buffer_info()[0], workers.buffer_info()[0], len(fds), wake_fd, recv_numbers.buffer_info()[0],
-        send_numbers.buffer_info()[0], send_counts.buffer_info()[0], slot_counts.buffer_info()[0], slots, epoch,
-        dispatch_checksum, None if packed is None else packed.data_ptr(), row_bytes, received.data_ptr(), sum_bytes,
-        max(1, int(timeout_s * 1e9)), info.buffer_info()[0])
-
-
-def router_empty_layers(fds: array.array, wake_fd: int, recv_numbers: array.array, send_numbers: array.array,
-                        dispatch_checksums: array.array, slots: int, epoch: int, received: torch.Tensor,
-                        timeout_s: float, info: array.array) -> int:
-    """A router's side of several MoE layers without rows in one call (kernels/csrc/cpu_exchange.c):
-    every layer's header (one checksum each in ``dispatch_checksums``, int64) to each worker
-    (``fds``, in rank order) at once, then every layer's trailer from each into ``received``
-    (contiguous uint8, ``[layers][workers][16]``). Statuses and ``info`` as :func:`router_layer`'s;
-    releases the GIL."""
-    return _library.raymoe_router_empty_layers(
-        fds.buffer_info()[0], len(fds), wake_fd, recv_numbers.buffer_info()[0], send_numbers.buffer_info()[0],
-        len(dispatch_checksums), dispatch_checksums.buffer_info()[0], slots, epoch, received.data_ptr(),
-        max(1, int(timeout_s * 1e9)), info.buffer_info()[0])
-
-
 def prepare_experts(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Pack both stacks now (a worker loading its experts) where the kernel takes them, so that
     the first requests do not pay for it; True if it does."""
     if not experts_apply(torch.empty(1, w13.shape[2], dtype=w13.dtype, device=w13.device), w13, w2):
         return False
-    _packed_experts(w13, w2)
+    packed_experts(w13, w2)
     return True
 
 
-def _packed_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both stacks in the kernel's layouts, made once per stack version (packed_linear's cache):
+def packed_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both stacks in the kernel's layouts, made once per stack version (kernels/weight_cache.py):
     w13 ``[R, I/16, D, 2, 16]`` (a panel's gate and up columns side by side, k-major) and
     w2 ``[R, D/32, I, 32]``."""
     return _layout(w13, _gate_up_panels), _layout(w2, lambda w2: _on_huge_pages(_panels(w2, contiguous=False)))
 
 
+_packed_experts = packed_experts  # (the name tests/actors/test_reload_in_place.py knows)
+
+
 def _layout(weight: torch.Tensor, make) -> torch.Tensor:
-    """The kernel's layout of ``weight``, made by ``make`` once per weight version (packed_linear's cache)."""
-    rows = packed_linear.cached_rows(weight)
+    """The kernel's layout of ``weight``, made by ``make`` once per weight version (kernels/weight_cache.py)."""
+    rows = weight_cache.cached_rows(weight)
     layout = rows.get(KERNEL)
     if layout is None:
         layout = rows[KERNEL] = make(weight)
@@ -389,8 +246,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty(flat.shape[0], weight.shape[0], dtype=torch.float32)
     bias = bias.contiguous() if bias is not None else None  # (kept alive through the call)
     bias_pointer = bias.data_ptr() if bias is not None else None
-    _check(_library.raymoe_linear(flat.data_ptr(), out.data_ptr(), packed.data_ptr(), bias_pointer,
-                                  flat.shape[0], flat.shape[1], weight.shape[0]), "raymoe_linear")
+    _check(STATE.library.raymoe_linear(flat.data_ptr(), out.data_ptr(), packed.data_ptr(), bias_pointer,
+                                        flat.shape[0], flat.shape[1], weight.shape[0]), "raymoe_linear")
     return out.view(*shape[:-1], weight.shape[0])
 
 
@@ -410,9 +267,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if delta is not None:
         delta = delta.contiguous()
         total = torch.empty_like(x)
-    _check(_library.raymoe_rms_norm(x.data_ptr(), delta.data_ptr() if delta is not None else None,
-                                    weight.contiguous().data_ptr(), total.data_ptr(), h.data_ptr(),
-                                    x.numel() // x.shape[-1], x.shape[-1], eps), "raymoe_rms_norm")
+    _check(STATE.library.raymoe_rms_norm(x.data_ptr(), delta.data_ptr() if delta is not None else None,
+                                          weight.contiguous().data_ptr(), total.data_ptr(), h.data_ptr(),
+                                          x.numel() // x.shape[-1], x.shape[-1], eps), "raymoe_rms_norm")
     return total, h
 
 
@@ -429,8 +286,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     operations in the same order as torch's, so the same bits (:func:`rope_applies` checked)."""
     tokens, heads, size = x.shape
     out = torch.empty(tokens, heads, size, dtype=torch.float32)
-    _check(_library.raymoe_rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
-                                tokens, heads, size), "raymoe_rope")
+    _check(STATE.library.raymoe_rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                                      tokens, heads, size), "raymoe_rope")
     return out
 
 
@@ -449,42 +306,7 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     (:func:`attention_applies` checked by the caller)."""
     q = q.contiguous()
     heads, kv_heads = q.shape[1], key_cache.shape[-2]
-    _check(_library.raymoe_decode_attention(
+    _check(STATE.library.raymoe_decode_attention(
         q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), rows.data_ptr(), slots.data_ptr(),
         counts.data_ptr(), out.data_ptr(), rows.shape[0], heads, kv_heads, q.shape[-1], value_cache.shape[-1],
         slots.shape[1], scale), "raymoe_decode_attention")
-
-
-def _check(status: int, name: str) -> None:
-    if status != 0:
-        raise ValueError(f"{name} refused its arguments (status {status}) after the Python side took them: a bug")
-
-
-def _build() -> str:
-    """Path of the shared library for this source and compiler, compiled if not there yet."""
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise OSError(f"no C compiler ({compiler!r} not found; set CC)")
-    source = b""
-    for name in SOURCES:
-        with open(name, "rb") as handle:
-            source += handle.read()
-    version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
-    digest = hashlib.sha256(source + version + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    directory = os.environ.get("RAYMOE_NATIVE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "raymoe", "native")
-    path = os.path.join(directory, f"cpu_f32-{digest}.so")
-    if os.path.exists(path):
-        return path
-    os.makedirs(directory, exist_ok=True)
-    handle, partial = tempfile.mkstemp(prefix=".cpu_f32-", suffix=".so", dir=directory)
-    os.close(handle)
-    try:  # built under a name of its own, then renamed: processes building at once never see half a file
-        result = subprocess.run([compiler, *CFLAGS, "-o", partial, *SOURCES], capture_output=True, timeout=120)
-        if result.returncode != 0:
-            raise OSError(f"{compiler} failed on {', '.join(SOURCES)}: "
-                          f"{result.stderr.decode(errors='replace').strip()[:500]}")
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return path

@@ -11,8 +11,8 @@ bench shapes, and in tests/kernels/test_packed_linear.py), where sgemm's is not,
 placement batches rows on a worker cannot change a bit of the result.
 
 Where raymoe's native CPU kernels run (AVX-512F and a C compiler, kernels/native_cpu.py), they
-take the experts and the dense layers first, with layouts of their own kept in this module's
-cache (:func:`cached_rows`); this path is what runs elsewhere, or with them turned off.
+take the experts and the dense layers first, with layouts of their own kept in the same cache
+(kernels/weight_cache.py); this path is what runs elsewhere, or with them turned off.
 
 The packed copy costs the weights' size once more in memory (float32 on CPUs only;
 `cpu.packed_experts: false` turns it off for expert workers; the dense layers of a router or
@@ -24,12 +24,10 @@ stack does.
 
 from __future__ import annotations
 
-import threading
-import weakref
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
+
+from raymoe.kernels import native_cpu, weight_cache
 
 PACK_ROWS_HINT = 16  # the batch size oneDNN's layout is chosen for (decode sizes)
 # A dense layer's weight is packed from this size on. Below it oneDNN's fixed cost per call
@@ -39,30 +37,11 @@ PACK_ROWS_HINT = 16  # the batch size oneDNN's layout is chosen for (decode size
 # experts do not stay in cache from one step to the next.
 DENSE_MIN_BYTES = 4 << 20
 
-_enabled = True
-# Reentrant: a stack's finalizer (_forget) can run on the thread that holds the lock, when a
-# garbage collection triggered by an allocation in _packed_row frees a stack kept in a cycle
-# (a plain Lock deadlocked the test suite that way).
-_lock = threading.RLock()
-
-
-@dataclass
-class _Packed:
-    version: int
-    data_ptr: int
-    rows: dict[int | str | None, torch.Tensor] = field(default_factory=dict)  # str: other kernels' layouts
-
-
-_cache: dict[int, _Packed] = {}  # id(stack) -> its packed rows
-
 
 def set_enabled(enabled: bool) -> None:
-    """Use packed weights where they apply (the default), or torch's default GEMM everywhere."""
-    global _enabled
-    _enabled = bool(enabled)
-    if not _enabled:
-        with _lock:
-            _cache.clear()
+    """Use packed weights where they apply (the default), or torch's default GEMM everywhere
+    (the native kernels' layouts too: kernels/weight_cache.py)."""
+    weight_cache.set_enabled(enabled)
 
 
 def available() -> bool:
@@ -71,7 +50,7 @@ def available() -> bool:
 
 def applies(x: torch.Tensor, stack: torch.Tensor) -> bool:
     """Whether ``linear_row(x, stack, row)`` takes the packed path."""
-    return (_enabled and x.numel() > 0 and x.device.type == "cpu" and x.dtype == torch.float32 and stack.dtype == torch.float32
+    return (weight_cache.enabled() and x.numel() > 0 and x.device.type == "cpu" and x.dtype == torch.float32 and stack.dtype == torch.float32
             and stack.device.type == "cpu" and not x.requires_grad and not stack.requires_grad and _AVAILABLE)
 
 
@@ -105,7 +84,7 @@ class PackedStack:
 
     def __init__(self, stack: torch.Tensor):
         self.stack = stack
-        self.rows = _entry(stack).rows
+        self.rows = weight_cache.cached_rows(stack)
 
     def linear(self, x: torch.Tensor, row: int) -> torch.Tensor:
         """``x @ stack[row].T`` for a contiguous CPU float32 ``x`` (``applies`` checked by the caller)."""
@@ -115,45 +94,15 @@ class PackedStack:
         return _LINEAR(x, packed, None, "none", [], "")
 
 
-def cached_rows(stack: torch.Tensor) -> dict:
-    """The cache of derived copies of ``stack``, emptied when the stack is written or moved and
-    dropped with it: packed rows by row index here, whole-stack layouts of other kernels by
-    name (kernels/native_cpu.py)."""
-    return _entry(stack).rows
-
-
-def _entry(stack: torch.Tensor) -> _Packed:
-    """The cache entry of ``stack``, renewed when the stack was written or moved."""
-    key = id(stack)
-    entry = _cache.get(key)
-    version, pointer = stack._version, stack.data_ptr()
-    if entry is None or entry.version != version or entry.data_ptr != pointer:
-        with _lock:
-            entry = _cache.get(key)
-            if entry is None or entry.version != version or entry.data_ptr != pointer:
-                if key not in _cache:
-                    weakref.finalize(stack, _forget, key)
-                entry = _cache[key] = _Packed(version, pointer)
-    return entry
-
-
 def _packed_row(stack: torch.Tensor, row: int | None) -> torch.Tensor:
     """The packed copy of ``stack[row]`` (``row`` None: ``stack`` is the weight itself)."""
-    entry = _entry(stack)
-    packed = entry.rows.get(row)
+    rows = weight_cache.cached_rows(stack)
+    packed = rows.get(row)
     if packed is None:
         weight = stack if row is None else stack[row]
-        packed = entry.rows[row] = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
+        packed = rows[row] = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
     return packed
 
 
-def _forget(key: int) -> None:
-    with _lock:
-        _cache.pop(key, None)
-
-
 _AVAILABLE = available()
-# Last: native_cpu keeps its packed layouts in this module's cache (cached_rows), and this
-# module's dense layers take its kernel first; each needs only the other's functions at call time.
-from raymoe.kernels import native_cpu  # noqa: E402
 _LINEAR = torch.ops.mkldnn._linear_pointwise.default if _AVAILABLE else None  # the overload: no per-call resolution

@@ -17,6 +17,7 @@ from raymoe.engine.exchange.ep_exchange import RouterExchange
 from raymoe.engine.telemetry import Telemetry
 from raymoe.kernels import native_cpu
 from raymoe.kernels.comm.errors import CommError
+from raymoe.kernels.comm.wire import RowFormat
 from raymoe.moe.capacity import CapacityConfig, OverflowPolicy, keep_mask
 from raymoe.moe.exchange_plan import ExchangePlan, plan_exchange, plan_exchange_on_host
 from raymoe.moe.placement import PlacementTable
@@ -37,6 +38,7 @@ class RemoteExperts:
         self._real = False  # whether this step carried any of this router's tokens
         self._step_started = 0.0
         self._moe_seconds = 0.0
+        self._row_format: RowFormat | None = None  # the native planner's rows (set on its first layer)
 
     def _index_tables(self, placement: PlacementTable) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [
@@ -108,10 +110,12 @@ class RemoteExperts:
         placement = self.placement
         slot, send_counts, slot_counts, row_token, packed = native_cpu.plan_pack(
             topk_ids, topk_weights, kept, log2phy, logcnt, placement.slots_per_worker, placement.num_workers, hidden)
-        activations, top_k = 4 * hidden.shape[1], topk_ids.shape[1]
+        row_format = self._row_format
+        if row_format is None or row_format.hidden_size != hidden.shape[1] or row_format.top_k != topk_ids.shape[1]:
+            row_format = self._row_format = RowFormat(hidden.shape[1], topk_ids.shape[1], hidden.dtype)
+        _, row_slots, row_weights = row_format.unpack(packed)
         return ExchangePlan(topk_ids.shape[0], placement.num_workers, slot, send_counts, slot_counts, row_token,
-                            packed[:, activations:activations + 4 * top_k].view(torch.int32),
-                            packed[:, activations + 4 * top_k:].view(torch.float32), packed)
+                            row_slots, row_weights, packed)
 
     def _record(self, layer, topk_ids, plan, kept, log2phy, traffic, hidden) -> None:
         """Per-layer counts, as they are: the plan's per-slot counts (host ints) become logical

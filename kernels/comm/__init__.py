@@ -1,7 +1,9 @@
-"""Communicators for expert-parallel dispatch/combine: exchange counts, exchange payload
-(all-to-all-v), barrier, close, abort. Three transports behind one small interface:
-`GlooCommunicator` (torch.distributed, CPU), `SocketCommunicator` (a stream socket per pair,
-CPU) and `NcclCommunicator` (cupy.cuda.nccl, GPU).
+"""Communicators for expert-parallel dispatch/combine: the interface raymoe calls (base.py:
+transfer, run_native, native_failure, mark_broken for the exchange; exchange_payload,
+barrier, close, abort for the control plane), three transports behind it
+(`GlooCommunicator`: torch.distributed, CPU; `SocketCommunicator`: a stream socket per pair,
+CPU; `NcclCommunicator`: cupy.cuda.nccl, GPU), and what travels on the wire between the
+exchange's ranks (wire.py).
 
 All ranks must call collectives in the same order with the same tag, or they hang; every
 collective has a deadline that turns the hang into a `CollectiveTimeout`.

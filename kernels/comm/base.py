@@ -1,22 +1,35 @@
-"""The communicator interface of expert-parallel dispatch/combine, and its deadline.
+"""The communicator interface: what raymoe's callers actually call, and the deadline.
 
 Dimension legend: W world size (ranks), R rows, H row width (any trailing row shape).
+
+Who calls what (and nothing else is declared here):
+
+- the data plane, the expert-parallel exchange (engine/exchange/): ``transfer`` (any batch of
+  point-to-point sends and receives under one deadline), and where the transport lends its
+  connections to native code (``native_routines``: the sockets transport) ``run_native`` and
+  ``native_failure``; ``mark_broken`` when the exchange refuses what arrived; ``timeout_s``,
+  ``rank``, ``world_size``;
+- the control plane: ``exchange_payload`` (a migration's all-to-all-v of expert weights,
+  actors/expert_worker.py), ``barrier`` (every join's warm-up, kernels/comm/factory.py),
+  ``close`` and ``abort`` (actors, on shutdown and after a failure).
 
 Invariant: all ranks must call collectives in the same order with the same tag, or they
 hang. The deadline (`timeout_s`) turns that hang into an error: `CollectiveTimeout`
 naming the tag and, where the backend can tell, the peer still missing. After any
 `CommError` the communicator is unusable: call `abort()` and build a new one.
 
-A new backend is a new class with these methods, never a flag on an existing one.
+Every transport implements it through kernels/comm/p2p.py::PointToPointCommunicator (gloo,
+sockets, NCCL). A new backend is a new class with these methods, never a flag on an existing one.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from raymoe.kernels.comm.errors import CommError
 
 
 @runtime_checkable
@@ -30,16 +43,36 @@ class Communicator(Protocol):
     rank: int
     world_size: int
     timeout_s: float
+    native_routines: bool  # whether run_native lends native code this transport's connections
 
-    def exchange_counts(self, send_counts: torch.Tensor, *, tag: str) -> torch.Tensor:
-        """All-to-all of row counts.
-
-        send_counts: [W] int64 on CPU, rows this rank sends to each peer.
-        Returns recv_counts: [W] int64 on CPU, rows each peer sends to this rank.
-        Also checks that every peer is in the collective with the same tag.
-        """
+    # ---- the data plane -----------------------------------------------------------------
+    def transfer(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]], *,
+                 tag: str, timeout_s: float | None = None) -> None:
+        """Send ``sends`` and fill ``recvs`` (``(peer, tensor)`` pairs, contiguous tensors), then
+        wait for all under one deadline (``timeout_s``, else the communicator's). The k-th
+        message between two ranks has the same size on both sides."""
         ...
 
+    def run_native(self, peers: list[int], tag: str, routine: Callable[..., Any]) -> Any:
+        """Runs ``routine(fds, wake_fd, recv_numbers, send_numbers)``: native code that moves
+        this transport's framed messages to and from ``peers`` itself, under the lock that
+        issuing messages holds (kernels/comm/sockets.py). A transport without native routines
+        (``native_routines`` False) raises `CommError`."""
+        ...
+
+    def native_failure(self, status: int, info: Any, peers: list[int], tag: str,
+                       timeout_s: float) -> CommError | None:
+        """The error a native routine's transport status stands for (kernels/comm/wire.py's
+        ``STATUSES``), this communicator marked broken by it; None for a status that is not
+        the transport's."""
+        ...
+
+    def mark_broken(self, failure: CommError) -> CommError:
+        """Marks this communicator unusable because of a failure found above the transport;
+        returns ``failure``."""
+        ...
+
+    # ---- the control plane --------------------------------------------------------------
     def exchange_payload(
         self,
         send: torch.Tensor,

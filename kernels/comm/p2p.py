@@ -15,7 +15,10 @@ where it can tell, the peer. Everything else lives here, once:
   issuing messages (one lock around issuing and tearing down);
 - the collectives built on it: counts (with a tag checksum, so ranks in different
   collectives are told apart), all-to-all-v of rows, barrier, and ``transfer`` (any set of
-  sends and receives: the expert-parallel exchange uses it directly).
+  sends and receives: the expert-parallel exchange uses it directly);
+- the rest of kernels/comm/base.py's interface: ``mark_broken``, and ``run_native`` /
+  ``native_failure`` for a transport without native routines (``native_routines`` False: the
+  sockets transport overrides all three).
 
 Invariant: the ranks of a collective call it in the same order with the same tag.
 """
@@ -66,6 +69,7 @@ class PointToPointCommunicator:
     """The shared state machine and collectives; subclasses implement ``_post``/``_wait``/``_teardown``."""
 
     backend_name = "p2p"
+    native_routines = False  # whether run_native lends native code this transport (sockets.py: yes)
 
     def __init__(self, *, rank: int, world_size: int, timeout_s: float) -> None:
         validate_group(rank, world_size)
@@ -116,6 +120,14 @@ class PointToPointCommunicator:
         message whose bytes arrived but whose contents the exchange refused, leaving the
         message stream at an unknown point); returns ``failure``."""
         return self._broken(failure)
+
+    def run_native(self, peers: list[int], tag: str, routine) -> Any:
+        """This transport lends native code nothing (``native_routines`` is False)."""
+        raise CommError(f"collective {tag!r}: the {self.backend_name} transport runs no native routines")
+
+    def native_failure(self, status: int, info: Any, peers: list[int], tag: str, timeout_s: float) -> CommError | None:
+        """None: no status is this transport's (it runs no native routines)."""
+        return None
 
     def close(self) -> None:
         with self._issue_lock:

@@ -11,7 +11,7 @@ Like gloo.py this module is only the transport under `PointToPointCommunicator`
 (kernels/comm/p2p.py): ``_post`` queues a batch of messages, ``_wait`` moves them under the
 deadline. Each message is a 16-byte header (the pair's message number, the byte count) and
 the bytes; a stream per pair keeps them in order, and the numbers check that both sides
-agree. A closed connection is `PeerLostError` naming the peer; a deadline that passes is
+agree (the frame: kernels/comm/wire.py). A closed connection is `PeerLostError` naming the peer; a deadline that passes is
 `CollectiveTimeout` naming the first peer still owing or owed bytes; `abort()` from another
 thread wakes a waiting one (a pipe in every poll).
 
@@ -42,13 +42,13 @@ from collections import deque
 import torch
 import torch.distributed as distributed
 
-from raymoe.kernels import native_cpu
 from raymoe.kernels.comm.base import Deadline, validate_group, validate_timeout
 from raymoe.kernels.comm.errors import RECOVERY_HINT, CollectiveTimeout, CommClosedError, CommError, PeerLostError
 from raymoe.kernels.comm.p2p import Message, PointToPointCommunicator
 from raymoe.kernels.comm.store import first_line, listen, open_store
+from raymoe.kernels.comm.wire import FRAME, Info, Status
 
-HEADER = struct.Struct("<qq")  # message number, bytes
+HEADER = FRAME  # each message's frame: message number, bytes (kernels/comm/wire.py)
 HELLO = struct.Struct("<q32s")  # connecting rank, sha256 of the group name
 POLL_SLICE_S = 0.5  # a wait re-checks the communicator's state at least this often
 MAX_IOVECS = 512  # buffers per sendmsg (Linux takes up to 1024)
@@ -84,6 +84,7 @@ class SocketCommunicator(PointToPointCommunicator):
     """One rank of a socket group: the transport under `PointToPointCommunicator`."""
 
     backend_name = "sockets"
+    native_routines = True  # run_native lends native code these sockets
 
     def __init__(self, *, rank: int, world_size: int, timeout_s: float, group_name: str,
                  store: distributed.Store | None, peers: dict[int, socket.socket]) -> None:
@@ -191,23 +192,22 @@ class SocketCommunicator(PointToPointCommunicator):
 
     def native_failure(self, status: int, info: array.array, peers: list[int], tag: str,
                        timeout_s: float) -> CommError | None:
-        """The error a native routine's transport status stands for (kernels/native_cpu.py's
-        ``LAYER_*``; ``info[INFO_PEER]`` indexes ``peers``), this communicator marked broken by it;
-        None for a status that is not the transport's."""
-        index = info[native_cpu.INFO_PEER]
+        """The error a native routine's transport status stands for (the ``"transport"`` rows of
+        kernels/comm/wire.py's ``STATUSES``; ``info[Info.PEER]`` indexes ``peers``), this
+        communicator marked broken by it; None for a status that is not the transport's."""
+        index = info[Info.PEER]
         peer = peers[index] if 0 <= index < len(peers) else None
-        if status == native_cpu.LAYER_ABORTED:
+        if status == Status.ABORTED:
             return self._broken(CommClosedError(tag))
-        if status == native_cpu.LAYER_TIMEOUT:
+        if status == Status.TIMEOUT:
             return self._broken(CollectiveTimeout(tag=tag, timeout_s=timeout_s, peer=peer, world_size=self.world_size))
-        if status == native_cpu.LAYER_LOST:
-            code = info[native_cpu.INFO_A]
+        if status == Status.LOST:
+            code = info[Info.A]
             detail = (f"the connection failed: {os.strerror(code)} ({errno.errorcode.get(code, code)})" if code
                       else "the connection was closed (the peer process most likely died)")
             return self._lost(peer if peer is not None else -1, tag, detail)
-        if status == native_cpu.LAYER_FRAME:
-            return self._out_of_order(tag, peer, info[native_cpu.INFO_A], info[native_cpu.INFO_B],
-                                      info[native_cpu.INFO_C], info[native_cpu.INFO_D])
+        if status == Status.FRAME:
+            return self._out_of_order(tag, peer, info[Info.A], info[Info.B], info[Info.C], info[Info.D])
         return None
 
     def abort(self) -> None:

@@ -16,6 +16,9 @@
  * Every message is framed as sockets.py frames it: int64 message number (the k-th message
  * between two ranks carries k), int64 byte count, then the bytes; a number or size that
  * differs from what this rank expects means the ranks called collectives in different orders.
+ * The header's fields and kinds, the frame, the row format, the flags, statuses and info fields
+ * come from raymoe_constants.h, generated from kernels/comm/wire.py (kernels/native_library.py);
+ * raymoe_constants reports them back, as this file sees them, for the loader to compare.
  * Why in C: at one decoding sequence a layer's worker side was ~180 us of Python around ~100 us
  * of experts, and the router's exchange ~100 us (benchmarks/bench_served_phases.py,
  * docs/BENCHMARKS.md).
@@ -33,19 +36,35 @@
 #include <sys/uio.h>
 #include <time.h>
 
+#include "raymoe_constants.h"
+
 int64_t raymoe_run_rows(const uint8_t *payload, int64_t N, int64_t row_bytes, int64_t D, int64_t I, int64_t k,
                         const int64_t *maps, const int64_t *seg_rows, int64_t segments, int64_t S,
                         const float *w13, const float *w2, int64_t P, int64_t expected, float *out);
 
-enum { HEADER_FIELDS = 4, KIND_STEP = 1, KIND_IDLE = 2 };
-enum { FLAG_HEADERS_GIVEN = 1, FLAG_HEADERS_ONLY = 2, FLAG_FIRST_LAYER = 4 };
-enum {
-    DONE = 0, IDLE = 1, HEADERS_READ = 2,
-    E_TIMEOUT = -10, E_LOST = -11, E_FRAME = -12, E_CHECKSUM = -13, E_KINDS = -14, E_EPOCH = -15,
-    E_ABORTED = -16, E_MEMORY = -17, E_ARGUMENTS = -18,
+typedef int64_t frame_t[2]; /* a message's frame: its number, its byte count */
+struct trailer {              /* after a worker's sums to a router */
+    double seconds;           /* expert seconds */
+    int64_t checksum;         /* the combine tag's checksum */
 };
-enum { INFO_PEER, INFO_A, INFO_B, INFO_C, INFO_D, INFO_ROWS, INFO_ASSIGNMENTS, INFO_COMPUTE_NS, INFO_SENDING,
-       INFO_FIELDS };
+
+/* The constants this library was built with, as this file sees them (the frame's and the
+ * trailer's sizes measured): `names`/`values` filled up to `capacity`; returns how many there are. */
+int64_t raymoe_constants(const char **names, int64_t *values, int64_t capacity) {
+#define RAYMOE_ENTRY(name) {#name, (int64_t)(name)},
+    static const struct { const char *name; int64_t value; } table[] = {
+        RAYMOE_CONSTANTS(RAYMOE_ENTRY)
+        {"FRAME_BYTES", (int64_t)sizeof(frame_t)},
+        {"TRAILER_BYTES", (int64_t)sizeof(struct trailer)},
+    };
+#undef RAYMOE_ENTRY
+    const int64_t count = (int64_t)(sizeof table / sizeof table[0]);
+    for (int64_t i = 0; i < count && i < capacity; i++) {
+        names[i] = table[i].name;
+        values[i] = table[i].value;
+    }
+    return count;
+}
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -53,21 +72,21 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
-/* Until `fd` is ready for `events`: 0, or E_TIMEOUT past the deadline, E_ABORTED once wake_fd
- * is readable, E_LOST when poll itself fails. A hang-up or error counts as ready: the read or
+/* Until `fd` is ready for `events`: 0, or STATUS_TIMEOUT past the deadline, STATUS_ABORTED once wake_fd
+ * is readable, STATUS_LOST when poll itself fails. A hang-up or error counts as ready: the read or
  * write that follows reports it. */
 static int wait_ready(int fd, short events, int wake_fd, int64_t deadline_ns) {
     for (;;) {
         int64_t left = deadline_ns - now_ns();
-        if (left <= 0) return E_TIMEOUT;
+        if (left <= 0) return STATUS_TIMEOUT;
         struct pollfd fds[2] = {{fd, events, 0}, {wake_fd, POLLIN, 0}};
         int64_t ms = (left + 999999) / 1000000;
         int ready = poll(fds, 2, ms > 1000 ? 1000 : (int)ms);
         if (ready < 0) {
             if (errno == EINTR) continue;
-            return E_LOST;
+            return STATUS_LOST;
         }
-        if (fds[1].revents) return E_ABORTED;
+        if (fds[1].revents) return STATUS_ABORTED;
         if (fds[0].revents) return 0;
     }
 }
@@ -78,7 +97,7 @@ static int after_failure(int fd, short events, int wake_fd, int64_t deadline_ns,
     if (errno == EINTR) return 0;
     if (errno == EAGAIN || errno == EWOULDBLOCK) return wait_ready(fd, events, wake_fd, deadline_ns);
     info[INFO_A] = errno;
-    return E_LOST;
+    return STATUS_LOST;
 }
 
 /* Drops the leading iovecs that `done` bytes filled, and trims the first one left. */
@@ -97,18 +116,18 @@ static void advance(struct iovec **iov, int *count, size_t done) {
 
 /* Reads one framed message of exactly `size` bytes into `body`, expecting message `number`.
  * The frame and the body are read together where they are there; the frame is checked as soon
- * as its 16 bytes are in, before the body counts (a frame that differs: E_FRAME, the frame's
+ * as its 16 bytes are in, before the body counts (a frame that differs: STATUS_FRAME, the frame's
  * number and size in info[A], info[B]). */
 static int read_message(int fd, int wake_fd, int64_t deadline_ns, int64_t number, uint8_t *body, int64_t size,
                         int64_t *info) {
-    int64_t frame[2];
+    frame_t frame;
     struct iovec parts[2] = {{frame, sizeof frame}, {body, (size_t)size}};
     struct iovec *iov = parts;
     int count = size ? 2 : 1, checked = 0;
     size_t got_total = 0;
     while (count > 0) {
         ssize_t got = readv(fd, iov, count);
-        if (got == 0) return E_LOST;
+        if (got == 0) return STATUS_LOST;
         if (got < 0) {
             int status = after_failure(fd, POLLIN, wake_fd, deadline_ns, info);
             if (status) return status;
@@ -121,7 +140,7 @@ static int read_message(int fd, int wake_fd, int64_t deadline_ns, int64_t number
             if (frame[0] != number || frame[1] != size) {
                 info[INFO_A] = frame[0];
                 info[INFO_B] = frame[1];
-                return E_FRAME;
+                return STATUS_FRAME;
             }
         }
     }
@@ -151,15 +170,15 @@ static int write_all(int fd, int wake_fd, int64_t deadline_ns, struct iovec *iov
  *
  * recv_numbers[r], send_numbers[r]: the next message numbers from and to router r, advanced
  * here. headers [R][4 + S]: read here, or given (FLAG_HEADERS_GIVEN: read by an earlier call
- * with FLAG_HEADERS_ONLY, which returns HEADERS_READ once they check out). FLAG_FIRST_LAYER: an
- * idle tick from every router is allowed (returns IDLE). epochs [E] and maps [E][S]: the pool row
+ * with FLAG_HEADERS_ONLY, which returns STATUS_HEADERS_READ once they check out). FLAG_FIRST_LAYER: an
+ * idle tick from every router is allowed (returns STATUS_IDLE). epochs [E] and maps [E][S]: the pool row
  * serving each local slot in each placement epoch this worker serves. w13/w2: the layer's
  * packed experts (P pool rows, hidden D, intermediate I, k positions a row).
  *
- * Returns DONE with info[ROWS], info[ASSIGNMENTS], info[COMPUTE_NS]; IDLE; HEADERS_READ; or
- *   E_TIMEOUT, E_LOST (info[A]: errno or 0), E_FRAME (info[A], info[B]: the frame got;
- *   info[C], info[D]: the number and size expected), E_CHECKSUM (info[A]: the checksum got),
- *   E_KINDS, E_EPOCH (info[A]: the epoch), E_ABORTED, E_MEMORY, E_ARGUMENTS, each with the
+ * Returns STATUS_DONE with info[ROWS], info[ASSIGNMENTS], info[COMPUTE_NS]; STATUS_IDLE; STATUS_HEADERS_READ; or
+ *   STATUS_TIMEOUT, STATUS_LOST (info[A]: errno or 0), STATUS_FRAME (info[A], info[B]: the frame got;
+ *   info[C], info[D]: the number and size expected), STATUS_CHECKSUM (info[A]: the checksum got),
+ *   STATUS_KINDS, STATUS_EPOCH (info[A]: the epoch), STATUS_ABORTED, STATUS_MEMORY, STATUS_ARGUMENTS, each with the
  *   router in info[PEER] where one is to blame (else -1) and info[SENDING] 1 when it happened
  *   sending the sums; or raymoe_run_rows's status (-1..-4). */
 int64_t raymoe_worker_layer(
@@ -170,7 +189,7 @@ int64_t raymoe_worker_layer(
     int64_t *info) {
     for (int i = 0; i < INFO_FIELDS; i++) info[i] = 0;
     info[INFO_PEER] = -1;
-    if (R <= 0 || S <= 0 || D <= 0 || k <= 0 || E < 0) return E_ARGUMENTS;
+    if (R <= 0 || S <= 0 || D <= 0 || k <= 0 || E < 0) return STATUS_ARGUMENTS;
     const int64_t width = HEADER_FIELDS + S, deadline = now_ns() + timeout_ns;
     int status;
     if (!(flags & FLAG_HEADERS_GIVEN)) {
@@ -186,51 +205,51 @@ int64_t raymoe_worker_layer(
         int idle = 0, step = 0;
         for (int64_t r = 0; r < R; r++) {
             const int64_t *header = headers + r * width;
-            if (header[1] != dispatch_checksum) {
+            if (header[HEADER_CHECKSUM] != dispatch_checksum) {
                 info[INFO_PEER] = r;
-                info[INFO_A] = header[1];
-                return E_CHECKSUM;
+                info[INFO_A] = header[HEADER_CHECKSUM];
+                return STATUS_CHECKSUM;
             }
-            idle += header[3] == KIND_IDLE;
-            step += header[3] == KIND_STEP;
+            idle += header[HEADER_KIND] == KIND_IDLE;
+            step += header[HEADER_KIND] == KIND_STEP;
         }
         info[INFO_PEER] = -1;
-        if (idle == R && (flags & FLAG_FIRST_LAYER)) return IDLE;
-        if (step != R) return E_KINDS;
-        if (flags & FLAG_HEADERS_ONLY) return HEADERS_READ;
+        if (idle == R && (flags & FLAG_FIRST_LAYER)) return STATUS_IDLE;
+        if (step != R) return STATUS_KINDS;
+        if (flags & FLAG_HEADERS_ONLY) return STATUS_HEADERS_READ;
     }
-    if (!w13 || !w2 || !maps || P <= 0 || I <= 0) return E_ARGUMENTS;
+    if (!w13 || !w2 || !maps || P <= 0 || I <= 0) return STATUS_ARGUMENTS;
     /* Sizes, and each router's pool rows by its epoch. */
-    const int64_t row_bytes = 4 * D + 8 * k;
+    const int64_t row_bytes = ROW_BYTES(D, k);
     int64_t total = 0, segments = 0, expected = 0;
     int64_t *seg_rows = malloc(sizeof(int64_t) * (size_t)R);
     int64_t *seg_maps = malloc(sizeof(int64_t) * (size_t)(R * S));
-    if (!seg_rows || !seg_maps) { free(seg_rows); free(seg_maps); return E_MEMORY; }
+    if (!seg_rows || !seg_maps) { free(seg_rows); free(seg_maps); return STATUS_MEMORY; }
     for (int64_t r = 0; r < R; r++) {
         const int64_t *header = headers + r * width;
-        if (header[0] < 0) { free(seg_rows); free(seg_maps); info[INFO_PEER] = r; return E_ARGUMENTS; }
-        if (!header[0]) continue;
+        if (header[HEADER_ROWS] < 0) { free(seg_rows); free(seg_maps); info[INFO_PEER] = r; return STATUS_ARGUMENTS; }
+        if (!header[HEADER_ROWS]) continue;
         int64_t e = 0;
-        while (e < E && epochs[e] != header[2]) e++;
+        while (e < E && epochs[e] != header[HEADER_EPOCH]) e++;
         if (e == E) {
             free(seg_rows); free(seg_maps);
             info[INFO_PEER] = r;
-            info[INFO_A] = header[2];
-            return E_EPOCH;
+            info[INFO_A] = header[HEADER_EPOCH];
+            return STATUS_EPOCH;
         }
         memcpy(seg_maps + segments * S, maps + e * S, sizeof(int64_t) * (size_t)S);
-        seg_rows[segments++] = header[0];
-        total += header[0];
+        seg_rows[segments++] = header[HEADER_ROWS];
+        total += header[HEADER_ROWS];
         for (int64_t s = 0; s < S; s++) expected += header[HEADER_FIELDS + s];
     }
     /* Rows in, router by router; sums out, one message a router (its rows' sums, then the trailer). */
     uint8_t *payload = malloc((size_t)(total ? total : 1) * (size_t)row_bytes);
     float *sums = malloc(sizeof(float) * (size_t)((total ? total : 1) * D));
-    if (!payload || !sums) { free(seg_rows); free(seg_maps); free(payload); free(sums); return E_MEMORY; }
+    if (!payload || !sums) { free(seg_rows); free(seg_maps); free(payload); free(sums); return STATUS_MEMORY; }
     int64_t offset = 0;
     status = 0;
     for (int64_t r = 0; r < R && !status; r++) {
-        int64_t rows = headers[r * width];
+        int64_t rows = headers[r * width + HEADER_ROWS];
         if (!rows) continue;
         info[INFO_PEER] = r;
         info[INFO_C] = recv_numbers[r];
@@ -252,12 +271,9 @@ int64_t raymoe_worker_layer(
     offset = 0;
     info[INFO_SENDING] = 1;
     for (int64_t r = 0; r < R && !status; r++) {
-        int64_t rows = headers[r * width];
-        struct {
-            double seconds;
-            int64_t checksum;
-        } trailer = {(double)compute_ns * 1e-9, combine_checksum};
-        int64_t frame[2] = {send_numbers[r], rows * 4 * D + (int64_t)sizeof trailer};
+        int64_t rows = headers[r * width + HEADER_ROWS];
+        struct trailer trailer = {(double)compute_ns * 1e-9, combine_checksum};
+        frame_t frame = {send_numbers[r], rows * 4 * D + (int64_t)sizeof trailer};
         struct iovec parts[3] = {{frame, sizeof frame}, {sums + offset * D, (size_t)(rows * 4 * D)},
                                  {&trailer, sizeof trailer}};
         info[INFO_PEER] = r;
@@ -271,16 +287,16 @@ int64_t raymoe_worker_layer(
     info[INFO_ROWS] = total;
     info[INFO_ASSIGNMENTS] = assignments;
     info[INFO_COMPUTE_NS] = compute_ns;
-    return DONE;
+    return STATUS_DONE;
 }
 
 /* A router's side of one MoE layer: to each worker of the group (fds[i], worker index
  * workers[i], in rank order) its header (rows, tag checksum, epoch, KIND_STEP, the
  * assignments of each of its S local slots) and its rows (packed: the plan's rows in worker
  * order, row_bytes each), then from each its rows' sums and trailer, into `received` (each
- * worker's rows * sum_bytes + 16 bytes, in rank order). send_counts [all workers] and
- * slot_counts [all workers][S] are the plan's. Returns DONE, or E_TIMEOUT, E_LOST, E_FRAME,
- * E_ABORTED, E_MEMORY, E_ARGUMENTS with info as raymoe_worker_layer's (info[PEER]: the index
+ * worker's rows * sum_bytes + TRAILER_BYTES, in rank order). send_counts [all workers] and
+ * slot_counts [all workers][S] are the plan's. Returns STATUS_DONE, or STATUS_TIMEOUT, STATUS_LOST, STATUS_FRAME,
+ * STATUS_ABORTED, STATUS_MEMORY, STATUS_ARGUMENTS with info as raymoe_worker_layer's (info[PEER]: the index
  * into fds, info[SENDING] 1 when it happened sending). */
 int64_t raymoe_router_layer(
     const int32_t *fds, const int64_t *workers, int64_t n, int32_t wake_fd, int64_t *recv_numbers,
@@ -289,23 +305,23 @@ int64_t raymoe_router_layer(
     int64_t timeout_ns, int64_t *info) {
     for (int i = 0; i < INFO_FIELDS; i++) info[i] = 0;
     info[INFO_PEER] = -1;
-    if (n <= 0 || S <= 0 || row_bytes <= 0 || sum_bytes <= 0) return E_ARGUMENTS;
+    if (n <= 0 || S <= 0 || row_bytes <= 0 || sum_bytes <= 0) return STATUS_ARGUMENTS;
     const int64_t width = HEADER_FIELDS + S, deadline = now_ns() + timeout_ns;
     int64_t *header = malloc(sizeof(int64_t) * (size_t)width);
-    if (!header) return E_MEMORY;
+    if (!header) return STATUS_MEMORY;
     int64_t start = 0;
     int status = 0;
     info[INFO_SENDING] = 1;
     for (int64_t i = 0; i < n && !status; i++) {
         const int64_t worker = workers[i], rows = send_counts[worker];
-        if (rows < 0 || (rows && !packed)) { status = E_ARGUMENTS; break; }
-        header[0] = rows;
-        header[1] = dispatch_checksum;
-        header[2] = epoch;
-        header[3] = KIND_STEP;
+        if (rows < 0 || (rows && !packed)) { status = STATUS_ARGUMENTS; break; }
+        header[HEADER_ROWS] = rows;
+        header[HEADER_CHECKSUM] = dispatch_checksum;
+        header[HEADER_EPOCH] = epoch;
+        header[HEADER_KIND] = KIND_STEP;
         memcpy(header + HEADER_FIELDS, slot_counts + worker * S, sizeof(int64_t) * (size_t)S);
-        int64_t frames[4] = {send_numbers[i], 8 * width, send_numbers[i] + 1, rows * row_bytes};
-        struct iovec parts[4] = {{frames, 16}, {header, (size_t)(8 * width)}, {frames + 2, 16},
+        frame_t frames[2] = {{send_numbers[i], 8 * width}, {send_numbers[i] + 1, rows * row_bytes}};
+        struct iovec parts[4] = {{frames[0], FRAME_BYTES}, {header, (size_t)(8 * width)}, {frames[1], FRAME_BYTES},
                                  {(void *)(packed + start * row_bytes), (size_t)(rows * row_bytes)}};
         info[INFO_PEER] = i;
         status = write_all(fds[i], wake_fd, deadline, parts, rows ? 4 : 2, info);
@@ -316,7 +332,7 @@ int64_t raymoe_router_layer(
     info[INFO_SENDING] = 0;
     int64_t offset = 0;
     for (int64_t i = 0; i < n && !status; i++) {
-        const int64_t size = send_counts[workers[i]] * sum_bytes + 16;
+        const int64_t size = send_counts[workers[i]] * sum_bytes + TRAILER_BYTES;
         info[INFO_PEER] = i;
         info[INFO_C] = recv_numbers[i];
         info[INFO_D] = size;
@@ -326,14 +342,14 @@ int64_t raymoe_router_layer(
     }
     if (status) return status;
     info[INFO_PEER] = -1;
-    return DONE;
+    return STATUS_DONE;
 }
 
 /* A router's side of `layers` MoE layers in which it sends no rows (nothing this step, or the
  * layers a step did not reach): to each worker of the group (fds[i], in rank order) every
  * layer's header (0 rows, dispatch_checksums[l], epoch, KIND_STEP, S zero slot counts) in one
- * write, then from each worker every layer's trailer (16 bytes, no sums), into `received`
- * ([layers][n][16], layer-major). The messages are raymoe_router_layer's with no rows, in the
+ * write, then from each worker every layer's trailer (TRAILER_BYTES, no sums), into `received`
+ * ([layers][n][TRAILER_BYTES], layer-major). The messages are raymoe_router_layer's with no rows, in the
  * same order; only the waiting differs: a worker never waits for this router's round trip of
  * the layer before. Statuses and info as raymoe_router_layer's. */
 int64_t raymoe_router_empty_layers(
@@ -342,21 +358,22 @@ int64_t raymoe_router_empty_layers(
     int64_t timeout_ns, int64_t *info) {
     for (int i = 0; i < INFO_FIELDS; i++) info[i] = 0;
     info[INFO_PEER] = -1;
-    if (n <= 0 || S <= 0 || layers <= 0) return E_ARGUMENTS;
-    const int64_t width = HEADER_FIELDS + S, framed = 2 + width, deadline = now_ns() + timeout_ns;
+    if (n <= 0 || S <= 0 || layers <= 0) return STATUS_ARGUMENTS;
+    const int64_t width = HEADER_FIELDS + S, framed = FRAME_BYTES / 8 + width, deadline = now_ns() + timeout_ns;
     int64_t *messages = calloc((size_t)(layers * framed), sizeof(int64_t));
-    if (!messages) return E_MEMORY;
+    if (!messages) return STATUS_MEMORY;
     int status = 0;
     info[INFO_SENDING] = 1;
     for (int64_t i = 0; i < n && !status; i++) {
         for (int64_t l = 0; l < layers; l++) {
             int64_t *message = messages + l * framed;
+            int64_t *header = message + FRAME_BYTES / 8;
             message[0] = send_numbers[i] + l;
             message[1] = 8 * width;
-            message[2] = 0;
-            message[3] = dispatch_checksums[l];
-            message[4] = epoch;
-            message[5] = KIND_STEP;
+            header[HEADER_ROWS] = 0;
+            header[HEADER_CHECKSUM] = dispatch_checksums[l];
+            header[HEADER_EPOCH] = epoch;
+            header[HEADER_KIND] = KIND_STEP;
         }
         struct iovec part = {messages, (size_t)(8 * layers * framed)};
         info[INFO_PEER] = i;
@@ -369,12 +386,13 @@ int64_t raymoe_router_empty_layers(
         for (int64_t i = 0; i < n && !status; i++) {
             info[INFO_PEER] = i;
             info[INFO_C] = recv_numbers[i];
-            info[INFO_D] = 16;
-            status = read_message(fds[i], wake_fd, deadline, recv_numbers[i], received + (l * n + i) * 16, 16, info);
+            info[INFO_D] = TRAILER_BYTES;
+            status = read_message(fds[i], wake_fd, deadline, recv_numbers[i], received + (l * n + i) * TRAILER_BYTES,
+                                  TRAILER_BYTES, info);
             if (!status) recv_numbers[i]++;
         }
     }
     if (status) return status;
     info[INFO_PEER] = -1;
-    return DONE;
+    return STATUS_DONE;
 }

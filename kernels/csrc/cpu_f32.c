@@ -1,4 +1,5 @@
-/* raymoe's native CPU kernels, float32 on AVX-512F (loaded by kernels/native_cpu.py).
+/* raymoe's native CPU kernels, float32 on AVX-512F (built and loaded by kernels/native_library.py,
+ * called through kernels/native_cpu.py).
  *
  * 1. raymoe_swiglu_experts: y[r] = W2_e (silu(Wg_e x[r]) * (Wu_e x[r])) for every row r of
  *    every job (e, begin, end): a layer's experts in one call.
@@ -23,8 +24,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "raymoe_constants.h" /* generated from the Python side (kernels/native_library.py): CHUNK_ROWS, the
+                                * row format, the statuses */
+
 #define ROW_BLOCK 8   /* rows per register block: 2 x 8 accumulators of 16 floats */
-#define CHUNK_ROWS 32 /* rows per pass over an expert's weights (the scratch holds their h) */
+/* CHUNK_ROWS: rows per pass over an expert's weights (the scratch holds their h) */
 /* Panels are read 8 KiB ahead: at 1-8 rows the weights stream from DRAM, and the hardware
  * prefetcher alone left this kernel at ~25 GB/s where a plain read of them runs at ~45 GB/s
  * (2-vCPU EPYC of docs/BENCHMARKS.md; 4 and 16 KiB measured alike, 1-2 KiB slower). */
@@ -294,43 +298,43 @@ int raymoe_rope(const float *x, int64_t stride, const float *cos, const float *s
  * above; then out[n] = sum over positions p in order of (y * w) from zero, each product and
  * each sum rounded: the arithmetic of the torch path, so the same bits.
  * w13/w2 packed as for raymoe_swiglu_experts; P pool rows. Returns the number of assignments,
- * -1 on a shape it does not take, -2 out of memory, -3 a slot or pool row out of range,
- * -4 when the assignments differ from `expected`. */
+ * STATUS_SHAPE on a shape it does not take, STATUS_MEMORY_ROWS out of memory, STATUS_BAD_SLOT a
+ * slot or pool row out of range, STATUS_ASSIGNMENTS when the assignments differ from `expected`. */
 __attribute__((target("avx512f"))) int64_t raymoe_run_rows(
     const uint8_t *payload, int64_t N, int64_t row_bytes, int64_t D, int64_t I, int64_t k,
     const int64_t *maps, const int64_t *seg_rows, int64_t segments, int64_t S,
     const float *w13, const float *w2, int64_t P, int64_t expected, float *out) {
-    if (D % 32 || I % 16 || D <= 0 || I <= 0 || k <= 0 || row_bytes != 4 * D + 8 * k) return -1;
+    if (D % 32 || I % 16 || D <= 0 || I <= 0 || k <= 0 || row_bytes != ROW_BYTES(D, k)) return STATUS_SHAPE;
     int64_t *count = calloc((size_t)(2 * P + 1), sizeof(int64_t));
     int64_t *where = malloc(sizeof(int64_t) * (size_t)(N * k + 1)); /* (row, position) -> assignment, or -1 */
-    if (!count || !where) { free(count); free(where); return -2; }
+    if (!count || !where) { free(count); free(where); return STATUS_MEMORY_ROWS; }
     int64_t *start = count + P;
     /* Pass 1: each (row, position)'s pool row, counted. */
     int64_t n = 0, total = 0;
     for (int64_t g = 0; g < segments; g++)
         for (int64_t r = 0; r < seg_rows[g]; r++, n++) {
-            const int32_t *slots = (const int32_t *)(payload + n * row_bytes + 4 * D);
+            const int32_t *slots = (const int32_t *)(payload + n * row_bytes + ROW_SLOTS_AT(D));
             for (int64_t p = 0; p < k; p++) {
                 int64_t pool = -1;
                 if (slots[p] >= 0) {
-                    if (slots[p] >= S) { free(count); free(where); return -3; }
+                    if (slots[p] >= S) { free(count); free(where); return STATUS_BAD_SLOT; }
                     pool = maps[g * S + slots[p]];
-                    if (pool < 0 || pool >= P) { free(count); free(where); return -3; }
+                    if (pool < 0 || pool >= P) { free(count); free(where); return STATUS_BAD_SLOT; }
                     count[pool]++;
                     total++;
                 }
                 where[n * k + p] = pool;
             }
         }
-    if (n != N) { free(count); free(where); return -1; }
-    if (total != expected) { free(count); free(where); return -4; }
+    if (n != N) { free(count); free(where); return STATUS_SHAPE; }
+    if (total != expected) { free(count); free(where); return STATUS_ASSIGNMENTS; }
     /* Pass 2: place the assignments, pool row by pool row, in (row, position) order. */
     int64_t *jobs = malloc(sizeof(int64_t) * (size_t)(3 * P + 1));
     float *x = malloc(sizeof(float) * (size_t)((total ? total : 1) * D));
     float *y = malloc(sizeof(float) * (size_t)((total ? total : 1) * D));
     float *scratch = malloc(sizeof(float) * (size_t)(CHUNK_ROWS * I));
     if (!jobs || !x || !y || !scratch) {
-        free(count); free(where); free(jobs); free(x); free(y); free(scratch); return -2;
+        free(count); free(where); free(jobs); free(x); free(y); free(scratch); return STATUS_MEMORY_ROWS;
     }
     int64_t n_jobs = 0, offset = 0;
     for (int64_t pool = 0; pool < P; pool++) {
@@ -355,7 +359,7 @@ __attribute__((target("avx512f"))) int64_t raymoe_run_rows(
     if (status == 0) {
         /* Pass 3: each row's weighted outputs, summed in position order from zero. */
         for (int64_t row = 0; row < N; row++) {
-            const float *weights = (const float *)(payload + row * row_bytes + 4 * D + 4 * k);
+            const float *weights = (const float *)(payload + row * row_bytes + ROW_SLOTS_AT(D) + SLOT_BYTES * k);
             float *o = out + row * D;
             for (int64_t d = 0; d < D; d += 16) {
                 __m512 acc = _mm512_setzero_ps();
@@ -370,7 +374,7 @@ __attribute__((target("avx512f"))) int64_t raymoe_run_rows(
         }
     }
     free(count); free(where); free(jobs); free(x); free(y); free(scratch);
-    return status == 0 ? total : -1;
+    return status == 0 ? total : STATUS_SHAPE;
 }
 
 /* A router's plan and packed rows for one MoE layer (moe/exchange_plan.py's rules, in one call):
@@ -382,7 +386,7 @@ __attribute__((target("avx512f"))) int64_t raymoe_run_rows(
  * token's D activations (hidden [T][D] float32), then at each position the local slot there
  * (-1: another worker's, or dropped) and the gate weight (0 there).
  * Outputs: slot [T][k] physical slots (-1 dropped), send_counts [W], slot_counts [W*S],
- * row_token [T*W at most], packed [N][4D + 8k] bytes (room for T*W rows). Returns N, or -1 on an
+ * row_token [T*W at most], packed [N][ROW_BYTES(D, k)] bytes (room for T*W rows). Returns N, or -1 on an
  * expert, replica or slot out of range. */
 int64_t raymoe_plan_pack(
     const int64_t *ids, const float *weights, const uint8_t *kept, const int64_t *log2phy, const int64_t *logcnt,
@@ -405,7 +409,7 @@ int64_t raymoe_plan_pack(
         if (s >= 0) slot_counts[s]++;
     }
     free(seen);
-    const int64_t row_bytes = 4 * D + 8 * k;
+    const int64_t row_bytes = ROW_BYTES(D, k);
     int64_t n = 0;
     for (int64_t w = 0; w < W; w++)
         for (int64_t t = 0; t < T; t++) {
@@ -419,8 +423,8 @@ int64_t raymoe_plan_pack(
             const float *h = hidden + t * D;
             float *activations = (float *)row;
             for (int64_t d = 0; d < D; d++) activations[d] = h[d];
-            int32_t *local = (int32_t *)(row + 4 * D);
-            float *gate = (float *)(row + 4 * D + 4 * k);
+            int32_t *local = (int32_t *)(row + ROW_SLOTS_AT(D));
+            float *gate = (float *)(row + ROW_SLOTS_AT(D) + SLOT_BYTES * k);
             for (int64_t p = 0; p < k; p++) {
                 int64_t s = slot[t * k + p];
                 int mine = s >= 0 && s / S == w;

@@ -14,7 +14,7 @@ from ep_helpers import GREEDY, cluster_config, prompts, reference_engine
 from raymoe.cluster.deploy import deploy
 from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.host_memory import jemalloc_path
-from raymoe.kernels import native_cpu
+from raymoe.kernels.expert_mlp import kernel_name
 from raymoe.engine.hf_config import load_model_config
 from timing import deadline_margin_s
 
@@ -91,8 +91,7 @@ def test_outputs_equal_the_in_process_engine(case, ray_session, reference, tiny_
         # parity above compared like with like): the native one on an AVX-512F machine with a compiler.
         config = load_model_config(tiny_mixtral_dir)
         hidden, inter = config.hidden_size, config.moe_intermediate_size
-        kernel = native_cpu.kernel_name(torch.empty(1, hidden), torch.empty(1, 2 * inter, hidden),
-                                            torch.empty(1, hidden, inter))
+        kernel = kernel_name(torch.empty(1, hidden), torch.empty(1, 2 * inter, hidden), torch.empty(1, hidden, inter))
         assert {i["expert_kernel"] for i in infos} == {kernel}
         # Replicas share their expert's tokens: every replica slot of a replicated expert served.
         slot_tokens = torch.tensor([t["slot_tokens"] for t in telemetry]).sum(0)  # [L, P]

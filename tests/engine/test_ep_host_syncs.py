@@ -20,7 +20,7 @@ import torch
 
 from raymoe.actors.expert_worker import ExpertWorker
 from raymoe.actors.router import Router
-from raymoe.engine.exchange.ep_exchange import RouterExchange, WorkerExchange
+from raymoe.engine.exchange.python_sides import PythonWorkerExchange
 from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.exchange.remote_experts import RemoteExperts
 from raymoe.engine.sampling_params import SamplingParams
@@ -105,9 +105,11 @@ def test_one_conversion_per_layer_per_side_and_outputs_equal_the_engine(in_proce
     counter.install(monkeypatch)
     monkeypatch.setattr(RemoteExperts, "forward", counter.scoped("router layer", RemoteExperts.forward))
     monkeypatch.setattr(RemoteExperts, "complete_step", counter.scoped("router step end", RemoteExperts.complete_step))
-    monkeypatch.setattr(WorkerExchange, "receive_headers", counter.scoped("worker headers",
-                                                                         WorkerExchange.receive_headers))
-    monkeypatch.setattr(WorkerExchange, "serve_layer", counter.scoped("worker rows", WorkerExchange.serve_layer))
+    assert all(type(w.exchange) is PythonWorkerExchange for w in workers)  # gloo: the Python side
+    monkeypatch.setattr(PythonWorkerExchange, "receive_headers", counter.scoped("worker headers",
+                                                                               PythonWorkerExchange.receive_headers))
+    monkeypatch.setattr(PythonWorkerExchange, "serve_layer", counter.scoped("worker rows",
+                                                                           PythonWorkerExchange.serve_layer))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [[5, 9, 11, 40], [7, 7, 3], [100, 20, 30, 40, 50], [8]]
     results = {}

@@ -15,21 +15,16 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from raymoe.engine.exchange.ep_exchange import (
-    KIND_IDLE,
-    KIND_STEP,
-    GroupLayout,
-    RouterExchange,
-    WorkerExchange,
-    _header,
-    layer_tag,
-    layer_tags,
-)
-from raymoe.kernels import native_cpu
+from raymoe.engine.exchange.ep_exchange import router_exchange, worker_exchange
+from raymoe.engine.exchange.native_sides import NativeRouterExchange, NativeWorkerExchange
+from raymoe.engine.exchange.python_sides import PythonRouterExchange, PythonWorkerExchange
+from raymoe.kernels import native_exchange, native_library
 from raymoe.kernels.comm import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -38,12 +33,14 @@ from raymoe.kernels.comm import (
     PeerLostError,
     SocketCommunicator,
 )
+from raymoe.kernels.comm.wire import KIND_IDLE, KIND_STEP, GroupLayout, layer_tag, layer_tags
+from raymoe.kernels.comm.wire import header as _header
 from raymoe.kernels.comm.ports import free_port
 from raymoe.moe.exchange_plan import plan_exchange_on_host
 from raymoe.moe.initial_placement import initial_placement
 
-pytestmark = pytest.mark.skipif(native_cpu.unavailable_reason() is not None,
-                                reason=f"native kernels unavailable: {native_cpu.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(native_library.unavailable_reason() is not None,
+                                reason=f"native kernels unavailable: {native_library.unavailable_reason()}")
 
 HIDDEN, INTER, EXPERTS, TOP_K, LAYERS = 64, 32, 8, 2, 3
 CPU = torch.device("cpu")
@@ -64,6 +61,24 @@ def sockets_group(world_size: int, timeout_s: float = 10.0) -> list[SocketCommun
         thread.join(timeout=30)
     assert all(comms), "the sockets group did not form"
     return comms
+
+
+def router_side(comm: SocketCommunicator, layout: GroupLayout, index: int, num_workers: int, slots: int,
+                native: bool = True):
+    """A router's side as the factory picks it (native: sockets, float32 on a CPU with the native
+    kernels), or the Python one over the same communicator."""
+    chosen = router_exchange(comm, layout, index, num_workers, slots, TOP_K, HIDDEN, torch.float32, CPU)
+    assert isinstance(chosen, NativeRouterExchange)
+    return chosen if native else PythonRouterExchange(comm, layout, index, num_workers, slots, TOP_K, HIDDEN,
+                                                      torch.float32, CPU)
+
+
+def worker_side(comm: SocketCommunicator, layout: GroupLayout, slots: int, native: bool = True):
+    """A worker's side as the factory picks it (native), or the Python one over the same communicator."""
+    chosen = worker_exchange(comm, layout, slots, HIDDEN, TOP_K, torch.float32, CPU, intermediate_size=INTER)
+    assert isinstance(chosen, NativeWorkerExchange)
+    return chosen if native else PythonWorkerExchange(comm, layout, slots, HIDDEN, TOP_K, torch.float32, CPU,
+                                                      intermediate_size=INTER)
 
 
 def run_threads(targets: list) -> list:
@@ -116,7 +131,7 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
     pool_rows = {epoch: (rows, torch.tensor(rows)) for epoch, rows in pool.items()}
     native_routers = native if native_routers is None else native_routers
     calls = {"worker": 0, "router": 0, "empty": 0}
-    originals = native_cpu.worker_layer, native_cpu.router_layer, native_cpu.router_empty_layers
+    originals = native_exchange.worker_layer, native_exchange.router_layer, native_exchange.router_empty_layers
 
     def counting(side, function):
         def counted(*args, **kwargs):
@@ -125,9 +140,7 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
         return counted
 
     def router(index: int):
-        exchange = RouterExchange(comms[index], layout, index, num_workers, slots, TOP_K, HIDDEN, torch.float32, CPU)
-        assert exchange._native  # sockets, float32 on a CPU with the native kernels
-        exchange._native = native_routers
+        exchange = router_side(comms[index], layout, index, num_workers, slots, native_routers)
         generator = torch.Generator().manual_seed(100 + index)
         outputs = []
         for step in steps:
@@ -155,9 +168,7 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
         return outputs
 
     def worker(position: int):
-        exchange = WorkerExchange(comms[num_routers + position], layout, slots, HIDDEN, TOP_K, torch.float32, CPU)
-        assert exchange._native  # sockets, float32 on a CPU with the native kernels
-        exchange._native = native
+        exchange = worker_side(comms[num_routers + position], layout, slots, native)
         served = []
         for step in steps:
             headers = exchange.receive_headers(0)
@@ -171,13 +182,13 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
                 served.append((result.rows, result.assignments))
         return served
 
-    native_cpu.worker_layer, native_cpu.router_layer, native_cpu.router_empty_layers = (
+    native_exchange.worker_layer, native_exchange.router_layer, native_exchange.router_empty_layers = (
         counting("worker", originals[0]), counting("router", originals[1]), counting("empty", originals[2]))
     try:
         results = run_threads([lambda i=i: router(i) for i in range(num_routers)]
                               + [lambda p=p: worker(p) for p in range(num_workers)])
     finally:
-        native_cpu.worker_layer, native_cpu.router_layer, native_cpu.router_empty_layers = originals
+        native_exchange.worker_layer, native_exchange.router_layer, native_exchange.router_empty_layers = originals
         for comm in comms:
             comm.close()
     layers = sum(1 for step in steps if not step.get("idle")) * LAYERS
@@ -267,13 +278,11 @@ def test_layers_larger_than_the_socket_buffers_go_through_in_parts():
 SLOTS = EXPERTS
 
 
-def native_worker(comm: SocketCommunicator) -> WorkerExchange:
-    exchange = WorkerExchange(comm, GroupLayout(1, (0,)), SLOTS, HIDDEN, TOP_K, torch.float32, CPU)
-    assert exchange._native
-    return exchange
+def native_worker(comm: SocketCommunicator) -> NativeWorkerExchange:
+    return worker_side(comm, GroupLayout(1, (0,)), SLOTS)
 
 
-def serve_one_layer(exchange: WorkerExchange, layer: int = 0, epochs=(0,)):
+def serve_one_layer(exchange: NativeWorkerExchange, layer: int = 0, epochs=(0,)):
     w13, w2 = worker_weights(1, SLOTS, spare=0)[0][0]
     pool_rows = {epoch: (list(range(SLOTS)), torch.arange(SLOTS)) for epoch in epochs}
     return exchange.serve_layer(layer, None, w13, w2, pool_rows)
@@ -401,7 +410,7 @@ def test_the_paths_share_message_numbers_layer_by_layer():
     pool_rows = {0: (list(range(SLOTS)), torch.arange(SLOTS))}
 
     def router():
-        exchange = RouterExchange(comms[0], GroupLayout(1, (0,)), 0, 1, SLOTS, TOP_K, HIDDEN, torch.float32, CPU)
+        exchange = router_side(comms[0], GroupLayout(1, (0,)), 0, 1, SLOTS)
         outs = []
         for step in steps:
             for layer in range(LAYERS):
@@ -414,14 +423,14 @@ def test_the_paths_share_message_numbers_layer_by_layer():
         return outs
 
     def worker():
-        exchange = WorkerExchange(comms[1], GroupLayout(1, (0,)), SLOTS, HIDDEN, TOP_K, torch.float32, CPU)
+        # both sides over the one communicator, taking turns layer by layer
+        sides = [worker_side(comms[1], GroupLayout(1, (0,)), SLOTS, native) for native in (True, False)]
         flips = 0
         for _ in steps:
-            exchange._native = flips % 2 == 0
-            headers = exchange.receive_headers(0)
+            headers = sides[flips % 2].receive_headers(0)
             for layer in range(LAYERS):
-                exchange._native = (flips := flips + 1) % 2 == 0
-                exchange.serve_layer(layer, None if layer else headers, *w[layer], pool_rows)
+                flips += 1
+                sides[flips % 2].serve_layer(layer, None if layer else headers, *w[layer], pool_rows)
         return flips
 
     outs, flips = run_threads([router, worker])
@@ -434,8 +443,7 @@ def test_the_paths_share_message_numbers_layer_by_layer():
 def failing_router(worker_does, timeout_s: float = 10.0):
     """The router's error when rank 1 runs ``worker_does(comm)`` instead of a worker; the time it took."""
     comms = sockets_group(2, timeout_s)
-    exchange = RouterExchange(comms[0], GroupLayout(1, (0,)), 0, 1, SLOTS, TOP_K, HIDDEN, torch.float32, CPU)
-    assert exchange._native
+    exchange = router_side(comms[0], GroupLayout(1, (0,)), 0, 1, SLOTS)
     placement = initial_placement(num_layers=1, num_experts=EXPERTS, num_workers=1, strategy="round_robin")
     plan = plan_exchange_on_host(torch.tensor([[0, 3], [1, 2]]), torch.rand(2, TOP_K), None, placement.log2phy[0],
                                  placement.logcnt[0], SLOTS, 1)
@@ -463,8 +471,7 @@ def test_a_reply_of_the_wrong_size_says_the_ranks_called_collectives_in_differen
 def failing_empty_router(worker_does, timeout_s: float = 10.0):
     """The error of ``exchange_empty(range(3))`` when rank 1 runs ``worker_does(comm)``; the time it took."""
     comms = sockets_group(2, timeout_s)
-    exchange = RouterExchange(comms[0], GroupLayout(1, (0,)), 0, 1, SLOTS, TOP_K, HIDDEN, torch.float32, CPU)
-    assert exchange._native
+    exchange = router_side(comms[0], GroupLayout(1, (0,)), 0, 1, SLOTS)
     return failure_of(lambda: exchange.exchange_empty(range(3), 0), worker_does, comms, 0)
 
 
@@ -490,7 +497,7 @@ def test_layers_without_rows_send_every_header_before_the_first_reply():
             comm.transfer([(0, trailer)], [], tag="trailer")
 
     comms = sockets_group(2)
-    exchange = RouterExchange(comms[0], GroupLayout(1, (0,)), 0, 1, SLOTS, TOP_K, HIDDEN, torch.float32, CPU)
+    exchange = router_side(comms[0], GroupLayout(1, (0,)), 0, 1, SLOTS)
     run_threads([lambda: exchange.exchange_empty(range(3), 5), lambda: worker(comms[1])])
     assert [h[:4] for h in seen["headers"]] == [[0, layer_tags(layer)[1], 5, KIND_STEP] for layer in range(3)]
     assert all(not any(h[4:]) for h in seen["headers"])
@@ -523,3 +530,32 @@ def test_a_worker_that_dies_is_a_lost_peer(call):
 
     error, _ = failing(die)
     assert isinstance(error, PeerLostError) and "rank 1" in str(error)
+
+
+def test_the_factory_picks_the_python_sides_where_the_native_layer_does_not_apply():
+    """Chosen once at join: the native sides only over a transport that lends native code its
+    connections, float32 on a CPU with the native kernels, and (a worker) one serving thread and
+    expert sizes the kernel takes; the Python sides everywhere else."""
+    layout = GroupLayout(1, (0,))
+    sockets, gloo = SimpleNamespace(native_routines=True, timeout_s=1.0), SimpleNamespace(native_routines=False,
+                                                                                           timeout_s=1.0)
+
+    def router(comm, dtype=torch.float32):
+        return type(router_exchange(comm, layout, 0, 1, SLOTS, TOP_K, HIDDEN, dtype, CPU))
+
+    def worker(comm, dtype=torch.float32, executor=None, intermediate=INTER):
+        return type(worker_exchange(comm, layout, SLOTS, HIDDEN, TOP_K, dtype, CPU, executor,
+                                    intermediate_size=intermediate))
+
+    assert router(sockets) is NativeRouterExchange and worker(sockets) is NativeWorkerExchange
+    assert router(gloo) is PythonRouterExchange and worker(gloo) is PythonWorkerExchange
+    assert router(sockets, torch.bfloat16) is PythonRouterExchange
+    assert worker(sockets, torch.bfloat16) is PythonWorkerExchange
+    with ThreadPoolExecutor(1) as threads:
+        assert worker(sockets, executor=threads) is PythonWorkerExchange  # expert threads
+    assert worker(sockets, intermediate=40) is PythonWorkerExchange  # I not a multiple of 16
+    native_library.set_enabled(False)
+    try:
+        assert router(sockets) is PythonRouterExchange and worker(sockets) is PythonWorkerExchange
+    finally:
+        native_library.set_enabled(True)

@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raymoe.kernels import native_cpu, packed_linear
-from raymoe.kernels.expert_mlp import grouped_swiglu
+from raymoe.kernels import native_cpu, native_exchange, native_library, packed_linear
+from raymoe.kernels.comm import wire
+from raymoe.kernels.expert_mlp import grouped_swiglu, kernel_name
 
 
 def _cpu_has_avx512f() -> bool:
@@ -57,7 +58,7 @@ def _reference(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.
 def test_the_kernel_builds_and_runs_where_the_machine_allows_it():
     assert native_cpu.unavailable_reason() is None
     w13, w2 = _stacks(2, 64, 48)
-    assert native_cpu.kernel_name(torch.randn(3, 64), w13, w2) == native_cpu.KERNEL
+    assert kernel_name(torch.randn(3, 64), w13, w2) == native_cpu.KERNEL
 
 
 @needs_kernel
@@ -72,7 +73,7 @@ def test_matches_a_float64_reference_and_onednn(hidden, intermediate, counts):
     reference = _reference(x, counts, w13, w2, slot_rows)
     torch.testing.assert_close(native.double(), reference, rtol=1e-5, atol=2e-6)
     native_cpu.set_enabled(False)
-    assert native_cpu.kernel_name(x, w13, w2) == "onednn"
+    assert kernel_name(x, w13, w2) == "onednn"
     onednn = grouped_swiglu(x, counts, w13, w2, slot_rows)
     torch.testing.assert_close(native, onednn, rtol=1e-5, atol=2e-6)
     assert not torch.equal(native, onednn)  # (it is another kernel: the switch did switch)
@@ -108,12 +109,12 @@ def test_shapes_dtypes_and_the_switch_it_does_not_take_go_to_onednn_or_torch():
     w13, w2 = _stacks(2, 48, 48)  # hidden not a multiple of 32
     x = torch.randn(3, 48)
     assert not native_cpu.experts_apply(x, w13, w2)
-    assert native_cpu.kernel_name(x, w13, w2) == ("onednn" if packed_linear.available() else "torch")
+    assert kernel_name(x, w13, w2) == ("onednn" if packed_linear.available() else "torch")
     w13, w2 = _stacks(2, 64, 40)  # intermediate not a multiple of 16
     assert not native_cpu.experts_apply(torch.randn(3, 64), w13, w2)
     w13, w2 = _stacks(2, 64, 48)
     assert not native_cpu.experts_apply(torch.randn(3, 64).bfloat16(), w13.bfloat16(), w2.bfloat16())
-    assert native_cpu.kernel_name(torch.randn(3, 64).bfloat16(), w13.bfloat16(), w2.bfloat16()) == "torch"
+    assert kernel_name(torch.randn(3, 64).bfloat16(), w13.bfloat16(), w2.bfloat16()) == "torch"
     native_cpu.set_enabled(False)
     assert not native_cpu.experts_apply(torch.randn(3, 64), w13, w2)
     assert "turned off" in native_cpu.unavailable_reason()
@@ -125,14 +126,14 @@ def test_without_a_compiler_experts_run_on_onednn_and_say_why(tmp_path):
     script = textwrap.dedent("""
         import torch, torch.nn.functional as F
         from raymoe.kernels import native_cpu
-        from raymoe.kernels.expert_mlp import grouped_swiglu
+        from raymoe.kernels.expert_mlp import grouped_swiglu, kernel_name
         w13, w2 = torch.randn(2, 96, 64) / 8, torch.randn(2, 64, 48) / 7
         x = torch.randn(5, 64)
         out = grouped_swiglu(x, [2, 3], w13, w2)
         gate_up = x[2:] @ w13[1].T
         torch.testing.assert_close(out[2:], (F.silu(gate_up[:, :48]) * gate_up[:, 48:]) @ w2[1].T, rtol=1e-5, atol=1e-5)
         print("REASON:", native_cpu.unavailable_reason())
-        print("KERNEL:", native_cpu.kernel_name(x, w13, w2))
+        print("KERNEL:", kernel_name(x, w13, w2))
     """)
     env = dict(os.environ, CC="raymoe-no-such-compiler", RAYMOE_NATIVE_DIR=str(tmp_path))
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
@@ -141,6 +142,39 @@ def test_without_a_compiler_experts_run_on_onednn_and_say_why(tmp_path):
     assert "KERNEL: onednn" in result.stdout or ("KERNEL: torch" in result.stdout and not packed_linear.available())
     assert "native CPU kernels unavailable" in result.stderr  # logged once, with the reason
     assert not list(tmp_path.iterdir())
+
+
+@needs_kernel
+def test_the_library_reports_every_shared_constant_as_the_python_side_defines_it():
+    """One source: the library was compiled from a header generated out of kernels/comm/wire.py
+    and CHUNK_ROWS, and reports what its C code sees (the frame's and trailer's sizes measured
+    with sizeof): every constant, one by one, equals the Python side's, and none is missing or extra."""
+    assert native_cpu.unavailable_reason() is None
+    reported, expected = native_library.reported_constants(), native_library.constants()
+    assert set(reported) == set(expected)
+    for name, value in expected.items():
+        assert reported[name] == value, name
+    # the Python definitions themselves, as the transport, the exchange and the kernels use them
+    assert reported["FRAME_BYTES"] == wire.FRAME.size and reported["TRAILER_BYTES"] == wire.TRAILER.size
+    assert reported["HEADER_FIELDS"] == wire.HEADER_FIELDS and reported["KIND_IDLE"] == wire.KIND_IDLE
+    assert reported["CHUNK_ROWS"] == native_cpu.CHUNK_ROWS
+    assert all(reported[f"STATUS_{status.name}"] == status for status in wire.Status)
+    assert all(reported[f"INFO_{field.name}"] == field for field in wire.Info)
+    assert set(wire.STATUSES) == set(wire.Status)  # every status has its row in the table
+    # and the check that refuses a library whose constants disagree would notice one that did
+    assert native_library.constant_differences({**reported, "KIND_STEP": 7}, expected) == [
+        "KIND_STEP: library 7, Python 1"]
+    assert native_library.constant_differences({k: v for k, v in reported.items() if k != "INFO_A"}, expected) == [
+        "INFO_A: library missing, Python 1"]
+
+
+def test_the_generated_header_defines_every_constant_and_the_row_format():
+    header = native_library.c_header()
+    for name, value in native_library.constants().items():
+        assert f"#define {name} ({value})\n" in header
+    row = wire.RowFormat(64, 2, torch.float32)
+    assert row.row_bytes == 4 * 64 + (wire.SLOT_BYTES + wire.WEIGHT_BYTES) * 2 == wire.row_bytes(64, 2)
+    assert "#define ROW_BYTES(D, k) (4 * (D) + (SLOT_BYTES + WEIGHT_BYTES) * (k))" in header
 
 
 @needs_kernel
@@ -317,11 +351,11 @@ def test_plan_pack_is_the_host_plan_bit_for_bit_with_its_rows_packed(seed):
 @needs_kernel
 def test_the_exchange_calls_take_float32_on_the_cpu_only_and_obey_the_switch():
     cpu = torch.device("cpu")
-    assert native_cpu.exchange_applies(torch.float32, cpu)
-    assert not native_cpu.exchange_applies(torch.bfloat16, cpu)
-    assert not native_cpu.exchange_applies(torch.float32, torch.device("meta"))
+    assert native_exchange.applies(torch.float32, cpu)
+    assert not native_exchange.applies(torch.bfloat16, cpu)
+    assert not native_exchange.applies(torch.float32, torch.device("meta"))
     native_cpu.set_enabled(False)
-    assert not native_cpu.exchange_applies(torch.float32, cpu)
+    assert not native_exchange.applies(torch.float32, cpu)
 
 
 # ---- norms and rotary embeddings -----------------------------------------------------------

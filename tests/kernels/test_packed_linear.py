@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raymoe.kernels import native_cpu, packed_linear
+from raymoe.kernels import native_cpu, packed_linear, weight_cache
 from raymoe.kernels.expert_mlp import grouped_swiglu
 
 pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="this torch build has no oneDNN linear")
@@ -75,11 +75,11 @@ def test_a_large_dense_weight_is_packed_and_a_small_one_is_not():
     x = torch.randn(2, 5, 256, generator=generator)  # any leading shape
     out = packed_linear.linear(x, large, bias)
     torch.testing.assert_close(out, F.linear(x, large, bias), rtol=1e-5, atol=1e-4)
-    assert id(large) in packed_linear._cache  # it took the packed path
+    assert id(large) in weight_cache._cache  # it took the packed path
     assert torch.equal(packed_linear.linear(x[:1, :2], large, bias), out[:1, :2])  # row-invariant
     small = torch.randn(64, 256, generator=generator)
     assert torch.equal(packed_linear.linear(x, small), F.linear(x, small))  # sgemm, exactly
-    assert id(small) not in packed_linear._cache
+    assert id(small) not in weight_cache._cache
 
 
 def test_a_stack_collected_while_another_is_packed_does_not_deadlock(monkeypatch):
@@ -97,12 +97,12 @@ def test_a_stack_collected_while_another_is_packed_does_not_deadlock(monkeypatch
     del doomed, cycle  # now only garbage collection frees it
     collected = []
 
-    class CollectingPacked(packed_linear._Packed):  # a collection at the allocation under the lock
+    class CollectingPacked(weight_cache._Packed):  # a collection at the allocation under the lock
         def __init__(self, *args):
             collected.append(gc.collect())
             super().__init__(*args)
 
-    monkeypatch.setattr(packed_linear, "_Packed", CollectingPacked)
+    monkeypatch.setattr(weight_cache, "_Packed", CollectingPacked)
     fresh = torch.randn(2, 8, 16)
     worker = threading.Thread(target=packed_linear.linear_row, args=(x, fresh, 1), daemon=True)
     worker.start()

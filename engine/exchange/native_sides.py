@@ -1,0 +1,155 @@
+"""Both sides of the exchange in one native call per layer (kernels/csrc/cpu_exchange.c through
+kernels/native_exchange.py): float32 CPUs over a transport that lends native code its
+connections (``comm.native_routines``: the sockets transport). The messages, their numbering and
+the errors are engine/exchange/python_sides.py's, so a group may mix the two
+(tests/engine/test_ep_native_layer.py).
+
+Legend: R routers, W workers in the group, S a worker's local slots, E placement epochs served.
+
+A native call returns a status (kernels/comm/wire.py's ``STATUSES`` says which error each
+becomes): the transport's own go to ``comm.native_failure``, the exchange's are raised here, and
+either way the communicator is broken (the call stopped partway through the layer's messages).
+"""
+
+from __future__ import annotations
+
+import array
+from concurrent.futures import Executor
+
+import torch
+
+from raymoe.engine.exchange.sides import RouterExchange, WorkerExchange, WorkerLayerResult
+from raymoe.kernels import native_exchange
+from raymoe.kernels.comm.base import Communicator
+from raymoe.kernels.comm.errors import CollectiveMismatch, CommError
+from raymoe.kernels.comm.wire import HEADER_KIND, TRAILER_BYTES, GroupLayout, Info, LayerFlag, Status, header_width, layer_tags
+
+# (plain ints: read on every layer)
+_DONE, _IDLE, _HEADERS_READ = int(Status.DONE), int(Status.IDLE), int(Status.HEADERS_READ)
+_ROWS, _ASSIGNMENTS, _COMPUTE_NS = int(Info.ROWS), int(Info.ASSIGNMENTS), int(Info.COMPUTE_NS)
+_HEADERS_GIVEN, _HEADERS_ONLY, _FIRST_LAYER = (int(LayerFlag.HEADERS_GIVEN), int(LayerFlag.HEADERS_ONLY),
+                                               int(LayerFlag.FIRST_LAYER))
+
+
+class NativeRouterExchange(RouterExchange):
+    """A router's side: each layer's headers, rows, sums and trailers in one native call."""
+
+    def __init__(self, comm: Communicator, layout: GroupLayout, router_index: int, num_workers: int,
+                 slots_per_worker: int, top_k: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(comm, layout, router_index, num_workers, slots_per_worker, top_k, hidden_size, dtype, device)
+        self._workers_in_rank_order = array.array("q", self._rank_of_worker)
+
+    def _transfer_layer(self, layer: int, epoch: int, counts: list[int], slot_counts: list[int],
+                        packed: torch.Tensor | None, received: torch.Tensor) -> None:
+        tag, checksum, _, _ = layer_tags(layer)
+        timeout_s = self.comm.timeout_s
+        self._run(tag, "raymoe_router_layer", timeout_s, lambda fds, wake, numbers, sent, info: (
+            native_exchange.router_layer(
+                fds, self._workers_in_rank_order, wake, numbers, sent, array.array("q", counts),
+                array.array("q", slot_counts), self.slots_per_worker, epoch, checksum, packed, self.format.row_bytes,
+                received, self.combine_row_bytes, timeout_s, info)))
+
+    def _exchange_empty(self, layers: range, epoch: int, tag: str, timeout_s: float) -> torch.Tensor:
+        # one native call: no Python wake-up per trailer
+        received = torch.empty(len(layers) * len(self._worker_ranks), TRAILER_BYTES, dtype=torch.uint8)
+        checksums = array.array("q", [layer_tags(layer)[1] for layer in layers])
+        self._run(tag, "raymoe_router_empty_layers", timeout_s, lambda fds, wake, numbers, sent, info: (
+            native_exchange.router_empty_layers(fds, wake, numbers, sent, checksums, self.slots_per_worker, epoch,
+                                                received, timeout_s, info)))
+        return received
+
+    def _run(self, tag: str, name: str, timeout_s: float, routine) -> None:
+        """``routine(fds, wake, received_numbers, sent, info)``, a native call over every worker's
+        socket with a deadline of ``timeout_s``, under the communicator's issue lock; its failure
+        raised as the Python path's."""
+        info = native_exchange.new_info()
+        ranks = self._worker_ranks
+        status = self.comm.run_native(ranks, tag, lambda fds, wake, numbers, sent: routine(fds, wake, numbers, sent,
+                                                                                           info))
+        if status != _DONE:
+            error = self.comm.native_failure(status, info, ranks, tag, timeout_s)
+            raise error if error is not None else ValueError(f"{name} refused its arguments (status {status}): a bug")
+
+
+class NativeWorkerExchange(WorkerExchange):
+    """A worker's side: each layer's headers, rows, experts and sums in one native call."""
+
+    def __init__(self, comm: Communicator, layout: GroupLayout, slots_per_worker: int, hidden_size: int,
+                 top_k: int, dtype: torch.dtype, device: torch.device, executor: Executor | None = None):
+        if executor is not None:
+            raise ValueError("the native layer runs its experts on the calling thread: no executor")
+        super().__init__(comm, layout, slots_per_worker, hidden_size, top_k, dtype, device, executor)
+
+    def receive_headers(self, layer: int, timeout_s: float | None = None) -> list[list[int]] | None:
+        headers = self._layer(layer, None, None, None, None, timeout_s)
+        width = header_width(self.slots_per_worker)
+        return None if headers is None else [headers[r * width:(r + 1) * width].tolist()
+                                             for r in range(len(self._routers))]
+
+    def serve_layer(self, layer: int, headers: list[list[int]] | None, w13: torch.Tensor, w2: torch.Tensor,
+                    pool_rows: dict[int, tuple[list[int], torch.Tensor]]) -> WorkerLayerResult:
+        return self._layer(layer, headers, w13, w2, pool_rows)
+
+    def _layer(self, layer: int, headers: list[list[int]] | None, w13: torch.Tensor | None,
+               w2: torch.Tensor | None, pool_rows: dict[int, tuple[list[int], torch.Tensor]] | None,
+               timeout_s: float | None = None):
+        """One native call (kernels/csrc/cpu_exchange.c): with ``w13`` None, only this layer's
+        headers (returned flat, or None for an idle tick); else the whole layer, reading the
+        headers unless given. Errors as the Python path raises them."""
+        dispatch_tag, dispatch_checksum, combine_tag, combine_checksum = layer_tags(layer)
+        width = header_width(self.slots_per_worker)
+        comm, routers = self.comm, self._routers
+        if headers is not None:
+            flat = array.array("q", [value for fields in headers for value in fields])
+            flags = _HEADERS_GIVEN
+        else:
+            flat = array.array("q", bytes(8 * width * len(routers)))
+            flags = _FIRST_LAYER if layer == 0 else 0
+        if w13 is None:
+            flags |= _HEADERS_ONLY
+            epochs, maps = array.array("q"), None
+        else:
+            epochs = array.array("q", pool_rows)
+            maps = (pool_rows[epochs[0]][1] if len(epochs) == 1
+                    else torch.stack([pool_rows[epoch][1] for epoch in epochs]))
+        timeout_s = comm.timeout_s if timeout_s is None else timeout_s
+        info = native_exchange.new_info()
+        status = comm.run_native(routers, dispatch_tag, lambda fds, wake, received, sent: native_exchange.worker_layer(
+            fds, wake, received, sent, flat, self.slots_per_worker, flags, dispatch_checksum, combine_checksum,
+            epochs, maps, w13, w2, self.hidden_size, self.top_k, timeout_s, info))
+        if status == _DONE:
+            return WorkerLayerResult(rows=info[_ROWS], assignments=info[_ASSIGNMENTS], compute_s=info[_COMPUTE_NS] * 1e-9)
+        if status == _IDLE:
+            return None
+        if status == _HEADERS_READ:
+            return flat
+        error = comm.native_failure(status, info, routers, combine_tag if info[Info.SENDING] else dispatch_tag,
+                                    timeout_s)
+        if error is None:
+            error, failure = self._exchange_error(status, info, layer, flat, width, pool_rows)
+            # the call stopped partway through the layer's messages: nothing later can follow them
+            comm.mark_broken(failure)
+        raise error
+
+    def _exchange_error(self, status: int, info: array.array, layer: int, flat: array.array, width: int,
+                        pool_rows) -> tuple[Exception, CommError]:
+        """The error of a status that is the exchange's, not the transport's (wire.STATUSES), and
+        the communicator failure it is (the error itself where it is one)."""
+        dispatch_tag, routers = layer_tags(layer)[0], self._routers
+        if status == Status.CHECKSUM:
+            error = CollectiveMismatch(tag=dispatch_tag, peer=routers[info[Info.PEER]], world_size=self.layout.world_size)
+            return error, error
+        if status == Status.KINDS:
+            kinds = sorted({flat[r * width + HEADER_KIND] for r in range(len(routers))})
+            error = CommError(f"collective {dispatch_tag!r}: routers disagree on whether this is a step (kinds {kinds})")
+            return error, error
+        if status == Status.EPOCH:
+            error = RuntimeError(f"layer {layer}: a router uses placement epoch {info[Info.A]}, which this worker "
+                                 f"does not serve (it serves {sorted(pool_rows)})")
+        elif status == Status.BAD_SLOT:
+            error = ValueError("a dispatched row names a local slot or pool row outside this worker's")
+        elif status == Status.ASSIGNMENTS:
+            error = ValueError("the routers' headers announced assignments that their rows do not hold")
+        else:
+            error = ValueError(f"raymoe_worker_layer refused its arguments (status {status}): a bug")
+        return error, CommError(f"{dispatch_tag!r}: {error}")

@@ -1,0 +1,216 @@
+"""Both sides of the exchange in Python: every message through the communicator's ``transfer``.
+It runs on every transport (gloo, NCCL, sockets), dtype and device; engine/exchange/native_sides.py
+is its twin for float32 CPUs over sockets.
+
+Legend: T tokens, k experts per token, D hidden, S a worker's local slots, R routers, W workers
+in the group, N rows, P a worker's pool rows.
+
+A worker here runs its experts one of two ways, chosen once when it joins (``_run_experts``):
+- float32 on a CPU with the native kernels and no expert threads, over a transport that lends
+  native code nothing (gloo; over sockets the native layer runs instead): ``raymoe_run_rows``,
+  the native layer's own experts call, on the rows as they came (plan, gather, experts and
+  per-row sums in one call);
+- everywhere else (expert threads: ``cpu.worker_threads`` > 1; GPUs; bf16; shapes the kernel
+  does not take): engine/experts.py::run_rows, whose grouped SwiGLU picks its kernel
+  (kernels/expert_mlp.py).
+Both give the same bits where both apply (tests/kernels/test_native_cpu.py).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Executor
+
+import torch
+
+from raymoe.engine.exchange.sides import RouterExchange, WorkerExchange, WorkerLayerResult
+from raymoe.engine.experts import run_rows
+from raymoe.kernels import native_cpu
+from raymoe.kernels.comm.base import Communicator
+from raymoe.kernels.comm.errors import CollectiveMismatch, CommError
+from raymoe.kernels.comm.wire import (
+    HEADER_CHECKSUM,
+    HEADER_EPOCH,
+    HEADER_FIELDS,
+    HEADER_KIND,
+    HEADER_ROWS,
+    KIND_IDLE,
+    KIND_STEP,
+    TRAILER,
+    TRAILER_BYTES,
+    GroupLayout,
+    header_width,
+    layer_tags,
+)
+
+native_run_rows = native_cpu.run_rows  # (a module name: benchmarks/served_phases_hook.py times it)
+
+
+class PythonRouterExchange(RouterExchange):
+    """A router's side, each layer's messages through ``comm.transfer``."""
+
+    def _transfer_layer(self, layer: int, epoch: int, counts: list[int], slot_counts: list[int],
+                        packed: torch.Tensor | None, received: torch.Tensor) -> None:
+        tag, checksum, _, _ = layer_tags(layer)
+        S = self.slots_per_worker
+        # Every worker's header in one tensor, one row each (one host-to-device copy on a GPU).
+        headers = torch.tensor([[counts[worker], checksum, epoch, KIND_STEP, *slot_counts[worker * S:(worker + 1) * S]]
+                                for worker in self._rank_of_worker], dtype=torch.int64)
+        if self.device.type != "cpu":
+            headers = headers.to(self.device)
+        row_bytes = self.combine_row_bytes
+        sends, recvs = [], []
+        start = offset = 0
+        for index, (worker, rank) in enumerate(self._rank_of_worker.items()):
+            count = counts[worker]
+            sends.append((rank, headers[index]))
+            if count:
+                sends.append((rank, packed[start:start + count]))
+            size = count * row_bytes + TRAILER_BYTES
+            recvs.append((rank, received[offset:offset + size]))
+            start += count
+            offset += size
+        self.comm.transfer(sends, recvs, tag=tag)
+
+    def _exchange_empty(self, layers: range, epoch: int, tag: str, timeout_s: float) -> torch.Tensor:
+        ranks = self._worker_ranks
+        headers = torch.zeros(len(layers) * len(ranks), header_width(self.slots_per_worker), dtype=torch.int64)
+        headers[:, HEADER_EPOCH], headers[:, HEADER_KIND] = epoch, KIND_STEP
+        for index, layer in enumerate(layers):
+            headers[index * len(ranks):(index + 1) * len(ranks), HEADER_CHECKSUM] = layer_tags(layer)[1]
+        received = torch.empty(len(layers) * len(ranks), TRAILER_BYTES, dtype=torch.uint8, device=self.device)
+        if self.device.type != "cpu":
+            headers = headers.to(self.device)
+        sends, recvs = [], []
+        for index in range(len(layers)):
+            for position, rank in enumerate(ranks):
+                row = index * len(ranks) + position
+                sends.append((rank, headers[row]))
+                recvs.append((rank, received[row]))
+        self.comm.transfer(sends, recvs, tag=tag, timeout_s=timeout_s)
+        return received
+
+
+class PythonWorkerExchange(WorkerExchange):
+    """A worker's side, each layer's messages through ``comm.transfer``; its experts run as
+    the module's docstring says, the way chosen once here."""
+
+    def __init__(self, comm: Communicator, layout: GroupLayout, slots_per_worker: int, hidden_size: int,
+                 top_k: int, dtype: torch.dtype, device: torch.device, executor: Executor | None = None, *,
+                 intermediate_size: int):
+        super().__init__(comm, layout, slots_per_worker, hidden_size, top_k, dtype, device, executor)
+        self._identity = list(range(slots_per_worker))  # pool rows when no expert is staged
+        self._run_experts = (self._run_native if executor is None
+                             and experts_take(dtype, device, hidden_size, intermediate_size) else self._run_torch)
+
+    def receive_headers(self, layer: int, timeout_s: float | None = None) -> list[list[int]] | None:
+        tag, expected, _, _ = layer_tags(layer)
+        received = torch.empty(self.layout.num_routers, header_width(self.slots_per_worker), dtype=torch.int64,
+                               device=self.device)
+        self.comm.transfer([], [(rank, received[rank]) for rank in self.layout.router_ranks], tag=tag,
+                           timeout_s=timeout_s)
+        headers = received.tolist()  # the worker's one host sync per layer: sizes
+        kinds = set()
+        for rank, fields in enumerate(headers):
+            if fields[HEADER_CHECKSUM] != expected:
+                raise CollectiveMismatch(tag=tag, peer=rank, world_size=self.layout.world_size)
+            kinds.add(fields[HEADER_KIND])
+        if kinds == {KIND_IDLE} and layer == 0:
+            return None
+        if kinds != {KIND_STEP}:
+            raise CommError(f"collective {tag!r}: routers disagree on whether this is a step (kinds {sorted(kinds)})")
+        return headers
+
+    def serve_layer(self, layer: int, headers: list[list[int]] | None, w13: torch.Tensor, w2: torch.Tensor,
+                    pool_rows: dict[int, tuple[list[int], torch.Tensor]]) -> WorkerLayerResult:
+        if headers is None:
+            headers = self.receive_headers(layer)
+            if headers is None:
+                raise CommError(f"collective {layer_tags(layer)[0]!r}: an idle tick inside a step")
+        tag = layer_tags(layer)[0]
+        counts = [fields[HEADER_ROWS] for fields in headers]
+        epochs = [fields[HEADER_EPOCH] for fields in headers]
+        total = sum(counts)
+        pool_counts = [0] * w13.shape[0]
+        for fields, epoch in zip(headers, epochs):
+            if fields[HEADER_ROWS]:
+                if epoch not in pool_rows:
+                    raise RuntimeError(f"layer {layer}: a router uses placement epoch {epoch}, which this worker "
+                                       f"does not serve (it serves {sorted(pool_rows)})")
+                for slot, assigned in enumerate(fields[HEADER_FIELDS:]):
+                    pool_counts[pool_rows[epoch][0][slot]] += assigned
+        payload = torch.empty(total, self.row_bytes, dtype=torch.uint8, device=self.device)
+        recvs, start = [], 0
+        for rank, count in enumerate(counts):
+            if count:
+                recvs.append((rank, payload[start:start + count]))
+            start += count
+        self.comm.transfer([], recvs, tag=tag)
+        started = time.perf_counter()
+        if not total:
+            partial = torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device)
+            return self._send_sums(layer, counts, total, partial, 0, time.perf_counter() - started)
+        return self._run_experts(layer, payload, counts, epochs, w13, w2, pool_rows, pool_counts, started)
+
+    def _run_native(self, layer, payload, counts, epochs, w13, w2, pool_rows, pool_counts, started):
+        """Plan, gather, experts and per-row sums in one native call (``raymoe_run_rows``)."""
+        used = [(count, epoch) for count, epoch in zip(counts, epochs) if count]
+        maps = (pool_rows[used[0][1]][1].view(1, -1) if len(used) == 1
+                else torch.stack([pool_rows[epoch][1] for _, epoch in used]))
+        assignments = sum(pool_counts)
+        total = payload.shape[0]
+        message = None
+        if len(counts) == 1:  # one router: the sums go straight into the message that carries them back
+            message = torch.empty(total * self.activation_bytes + TRAILER_BYTES, dtype=torch.uint8)
+        partial = native_run_rows(payload, self.top_k, maps, [count for count, _ in used], w13, w2, assignments,
+                                  out=None if message is None else message[:-TRAILER_BYTES].view(torch.float32))
+        return self._send_sums(layer, counts, total, partial, assignments, time.perf_counter() - started, message)
+
+    def _run_torch(self, layer, payload, counts, epochs, w13, w2, pool_rows, pool_counts, started):
+        """engine/experts.py::run_rows over the rows, their slots mapped to pool rows per router's epoch."""
+        rows, slots, weights = self.format.unpack(payload)  # [N, D], [N, k], [N, k]
+        pools, start = [], 0
+        for count, epoch in zip(counts, epochs):
+            if count:
+                segment = slots[start:start + count].long()
+                if pool_rows[epoch][0] == self._identity:  # slot s is pool row s (nothing staged): as is
+                    pools.append(segment)
+                else:
+                    pools.append(torch.where(segment >= 0, pool_rows[epoch][1][segment.clamp(min=0)], -1))
+            start += count
+        row_pool = pools[0] if len(pools) == 1 else torch.cat(pools)
+        partial, assignments = run_rows(rows, row_pool, weights, w13, w2, pool_counts, self.executor)
+        return self._send_sums(layer, counts, payload.shape[0], partial, assignments, time.perf_counter() - started)
+
+    def _send_sums(self, layer: int, counts: list[int], total: int, partial: torch.Tensor, assignments: int,
+                   compute_s: float, message: torch.Tensor | None = None) -> WorkerLayerResult:
+        """Each router's rows of ``partial``, then the trailer (expert seconds, tag checksum).
+        ``message``: one router's buffer whose first bytes already hold ``partial``."""
+        _, _, combine_tag, combine_checksum = layer_tags(layer)
+        trailer = TRAILER.pack(compute_s, combine_checksum)
+        sends = []
+        if message is not None or (self.device.type == "cpu" and len(counts) == 1):  # sums, then trailer: one buffer
+            if message is None:
+                message = torch.empty(total * self.activation_bytes + TRAILER_BYTES, dtype=torch.uint8)
+                if total:
+                    message[:-TRAILER_BYTES].view(self.dtype).view(total, -1).copy_(partial)
+            message[-TRAILER_BYTES:].numpy()[:] = memoryview(trailer)
+            sends.append((0, message))
+        else:
+            trailer = torch.frombuffer(bytearray(trailer), dtype=torch.uint8).to(self.device)
+            partial_bytes = partial.contiguous().view(torch.uint8) if total else None
+            start = 0
+            for rank, count in enumerate(counts):
+                body = partial_bytes[start:start + count].reshape(-1) if count else trailer[:0]
+                sends.append((rank, torch.cat([body, trailer])))
+                start += count
+        self.comm.transfer(sends, [], tag=combine_tag)
+        return WorkerLayerResult(rows=total, assignments=assignments, compute_s=compute_s)
+
+
+def experts_take(dtype: torch.dtype, device: torch.device, hidden_size: int, intermediate_size: int) -> bool:
+    """Whether the native experts kernel takes a layer of these sizes (native_cpu.experts_apply
+    on stand-ins of the stacks' shapes: no memory)."""
+    one = torch.empty(1, dtype=dtype, device=device)
+    return native_cpu.experts_apply(one.expand(1, hidden_size), one.expand(1, 2 * intermediate_size, hidden_size),
+                                    one.expand(1, hidden_size, intermediate_size))

@@ -1,0 +1,220 @@
+"""The exchange's two sides as one interface each: what a router and a worker call, and the
+parts both implementations share (engine/exchange/python_sides.py: the messages through the
+communicator's ``transfer``; engine/exchange/native_sides.py: each layer in one native call).
+engine/exchange/ep_exchange.py picks one implementation per side once, when the group is joined.
+
+Legend: T tokens, k experts per token, D hidden, S a worker's local slots, R routers, W workers
+in the group, N rows.
+
+The messages themselves (header, rows, sums, trailer, kinds, frame) are kernels/comm/wire.py's;
+both implementations send exactly those, in the same order, so a group may mix them.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import torch
+
+from raymoe.engine.experts import combine_partials
+from raymoe.engine.telemetry import LayerTraffic
+from raymoe.kernels.comm.base import Communicator
+from raymoe.kernels.comm.errors import CollectiveMismatch, CommError
+from raymoe.kernels.comm.layout import tag_checksum
+from raymoe.kernels.comm.wire import (
+    KIND_IDLE,
+    TRAILER_BYTES,
+    GroupLayout,
+    RowFormat,
+    header,
+    header_width,
+    layer_tag,
+    layer_tags,
+)
+from raymoe.moe.exchange_plan import ExchangePlan
+
+
+class RouterExchange(ABC):
+    """A router's side of every layer of every step, over the deployment's one group.
+
+    Subclasses move one layer's messages (:meth:`_transfer_layer`) and a step's layers without
+    rows (:meth:`_exchange_empty`); planning the buffers, combining, the trailers, idle ticks
+    and the routers' agreement are written once here."""
+
+    def __init__(self, comm: Communicator, layout: GroupLayout, router_index: int, num_workers: int,
+                 slots_per_worker: int, top_k: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+        self.comm = comm
+        self.slots_per_worker = slots_per_worker
+        self._trailers: list[tuple[int, int, torch.Tensor]] = []  # (layer, rank, 16 bytes), read once a step
+        self.layout = layout
+        self.router_index = router_index
+        self.num_workers = num_workers  # workers of the placement (the group may hold fewer)
+        self.format = RowFormat(hidden_size, top_k, dtype)
+        self.top_k, self.hidden_size, self.dtype, self.device = top_k, hidden_size, dtype, device
+        self.combine_row_bytes = self.format.activation_bytes
+        self._rank_of_worker = {w: layout.worker_rank(i) for i, w in enumerate(layout.participants)}
+        self._whole_group = set(self._rank_of_worker) == set(range(num_workers))  # no worker of the plan missing
+        self._worker_ranks = list(self._rank_of_worker.values())
+        self._headers_bytes = len(self._rank_of_worker) * 8 * header_width(slots_per_worker)
+
+    def exchange(self, layer: int, plan: ExchangePlan | None, hidden: torch.Tensor | None,
+                 epoch: int) -> tuple[torch.Tensor | None, LayerTraffic]:
+        """Dispatch ``plan``'s rows of ``hidden`` and combine their sums: ``[T, D]`` routed output.
+
+        ``plan`` None: this router has nothing this step (zero rows to every worker).
+        """
+        started = time.perf_counter()
+        S = self.slots_per_worker
+        if plan is not None:
+            counts, slot_counts = plan.send_counts, plan.slot_counts
+        else:
+            counts, slot_counts = [0] * self.num_workers, [0] * (self.num_workers * S)
+        if not self._whole_group:
+            outside = [w for w, n in enumerate(counts) if n and w not in self._rank_of_worker]
+            if outside:
+                raise CommError(f"layer {layer}: the plan sends rows to workers {outside}, which are not in the group")
+        packed = None
+        if plan is not None and plan.num_rows:
+            packed = plan.packed  # the planner's packed rows, where it packed them
+            if packed is None:
+                packed = self.format.pack(hidden.index_select(0, plan.row_token), plan.row_slots,
+                                          plan.row_weights)  # [N, row_bytes]
+        # One receive buffer for every worker's sums and trailer, in worker order.
+        row_bytes = self.combine_row_bytes
+        total = sum(counts[worker] for worker in self._rank_of_worker)
+        received = torch.empty(total * row_bytes + len(self._rank_of_worker) * TRAILER_BYTES, dtype=torch.uint8,
+                               device=self.device)
+        sums = []
+        offset = 0
+        for worker, rank in self._rank_of_worker.items():
+            count = counts[worker]
+            if count:
+                sums.append(received[offset:offset + count * row_bytes])
+            size = count * row_bytes + TRAILER_BYTES
+            self._trailers.append((layer, rank, received[offset + size - TRAILER_BYTES:offset + size]))
+            offset += size
+        packed_at = time.perf_counter()
+        self._transfer_layer(layer, epoch, counts, slot_counts, packed, received)
+        exchanged_at = time.perf_counter()
+        out = None
+        if plan is not None:
+            if sums:
+                partial = (sums[0] if len(sums) == 1 else torch.cat(sums)).view(self.dtype).view(total, -1)
+                out = combine_partials(plan.num_tokens, plan.row_token, partial,
+                                       min(self.top_k, len(self._rank_of_worker)))
+            else:
+                out = hidden.new_zeros(plan.num_tokens, self.hidden_size)
+        traffic = LayerTraffic(
+            rows_per_worker=list(counts),
+            bytes_sent=self._headers_bytes + total * self.format.row_bytes,
+            bytes_received=received.numel(),
+            dispatch_s=packed_at - started,
+            exchange_s=exchanged_at - packed_at,
+        )
+        return out, traffic
+
+    @abstractmethod
+    def _transfer_layer(self, layer: int, epoch: int, counts: list[int], slot_counts: list[int],
+                        packed: torch.Tensor | None, received: torch.Tensor) -> None:
+        """One layer's messages: to each worker of the group (rank order) its header (``counts``,
+        ``slot_counts``: the plan's, over every worker of the placement) and its rows of
+        ``packed`` (worker-major), then from each its sums and trailer into ``received``."""
+
+    def exchange_empty(self, layers: range, epoch: int) -> None:
+        """Zero rows to every worker for each of ``layers``: a router with nothing this step, or
+        the layers its step did not reach. Every layer's header goes out at once, then every
+        trailer is read: the workers find this router's headers waiting instead of each layer
+        waiting for its round trip of the layer before (with routers on other cores, a
+        cross-core wake-up per layer on every worker's path), as :meth:`exchange` with no plan
+        would, layer by layer. The workers see the same messages in the same order. The wait
+        has the deadline of that many layers (each layer's own, as before, one after the other)."""
+        if not layers:
+            return
+        ranks = self._worker_ranks
+        first, last = layers[0], layers[-1]
+        tag = layer_tag(first, "dispatch") if first == last else f"layers {first}-{last} dispatch (no rows)"
+        received = self._exchange_empty(layers, epoch, tag, self.comm.timeout_s * len(layers))
+        for index, layer in enumerate(layers):
+            for position, rank in enumerate(ranks):
+                self._trailers.append((layer, rank, received[index * len(ranks) + position]))
+
+    @abstractmethod
+    def _exchange_empty(self, layers: range, epoch: int, tag: str, timeout_s: float) -> torch.Tensor:
+        """Every layer's header without rows to each worker, then every trailer: returns them,
+        ``[layers * W, TRAILER_BYTES]`` uint8, layer-major."""
+
+    def read_trailers(self) -> float:
+        """The step's expert seconds (sum over layers of the slowest worker), checking every
+        combine's tag; one host read for the whole step."""
+        trailers, self._trailers = self._trailers, []
+        if not trailers:
+            return 0.0
+        raw = torch.stack([t for _, _, t in trailers]).view(torch.int64).tolist()  # [n, 2], one host read
+        per_layer: dict[int, float] = {}
+        for (layer, rank, _), (second_bits, checksum) in zip(trailers, raw):
+            second = struct.unpack("<d", struct.pack("<q", second_bits))[0]
+            _, _, combine_tag, expected = layer_tags(layer)
+            if checksum != expected:
+                raise CollectiveMismatch(tag=combine_tag, peer=rank, world_size=self.layout.world_size)
+            per_layer[layer] = max(per_layer.get(layer, 0.0), second)
+        return sum(per_layer.values())
+
+    def idle_tick(self) -> None:
+        """Tell every worker that no step comes now (in the first layer's place)."""
+        tag = layer_tag(0, "dispatch")
+        self.comm.transfer([(rank, header(0, tag, 0, KIND_IDLE, [0] * self.slots_per_worker, self.device))
+                            for rank in self._rank_of_worker.values()], [], tag=tag)
+
+    def agree_to_step(self, active: bool, timeout_s: float | None = None) -> bool:
+        """Routers only: does any router have work this step? (one flag to and from each router)."""
+        if self.layout.num_routers == 1:
+            return active
+        tag = "step begin"
+        mine = torch.tensor([int(active), tag_checksum(tag)], dtype=torch.int64).to(self.device)
+        others = [rank for rank in self.layout.router_ranks if rank != self.router_index]
+        received = [torch.empty(2, dtype=torch.int64, device=self.device) for _ in others]
+        self.comm.transfer([(rank, mine) for rank in others], list(zip(others, received)), tag=tag,
+                           timeout_s=timeout_s)
+        flags = torch.stack(received).cpu() if received else torch.zeros(0, 2, dtype=torch.int64)
+        for rank, (_, checksum) in zip(others, flags.tolist()):
+            if checksum != tag_checksum(tag):
+                raise CollectiveMismatch(tag=tag, peer=rank, world_size=self.layout.world_size)
+        return active or bool(flags[:, 0].any())
+
+
+@dataclass(frozen=True)
+class WorkerLayerResult:
+    rows: int
+    assignments: int
+    compute_s: float
+
+
+class WorkerExchange(ABC):
+    """A worker's side: receive every router's rows, run the experts once, send the sums back."""
+
+    def __init__(self, comm: Communicator, layout: GroupLayout, slots_per_worker: int, hidden_size: int,
+                 top_k: int, dtype: torch.dtype, device: torch.device, executor: Executor | None = None):
+        self.comm = comm
+        self.executor = executor  # CPU: threads that run some experts meanwhile (kernels/expert_mlp.py)
+        self.slots_per_worker = slots_per_worker
+        self.layout = layout
+        self.format = RowFormat(hidden_size, top_k, dtype)
+        self.top_k, self.hidden_size, self.dtype, self.device = top_k, hidden_size, dtype, device
+        self.row_bytes, self.activation_bytes = self.format.row_bytes, self.format.activation_bytes
+        self._routers = layout.router_ranks
+
+    @abstractmethod
+    def receive_headers(self, layer: int, timeout_s: float | None = None) -> list[list[int]] | None:
+        """One header per router (host ints), or None for an idle tick (no step now)."""
+
+    @abstractmethod
+    def serve_layer(self, layer: int, headers: list[list[int]] | None, w13: torch.Tensor, w2: torch.Tensor,
+                    pool_rows: dict[int, tuple[list[int], torch.Tensor]]) -> WorkerLayerResult:
+        """Rows from every router in one batch. ``headers``: this layer's, where they were read
+        already (a step's first layer: they tell a step from an idle tick), else None (read
+        here). ``pool_rows[epoch]``: the pool row of each local slot, as host ints and as a
+        device tensor."""

@@ -1,0 +1,93 @@
+"""The ctypes face of the exchange's native layer calls (kernels/csrc/cpu_exchange.c): each side's
+whole MoE layer of the expert-parallel exchange over the sockets transport in one call.
+
+Legend: R routers, W workers in the group, S a worker's local slots, D hidden, I expert
+intermediate, k experts per token, E placement epochs a worker serves, N rows.
+
+Each call reads and writes the transport's framed messages itself on the sockets a communicator
+lends it (``run_native``, kernels/comm/base.py) and returns a :class:`~raymoe.kernels.comm.wire.Status`
+with details in an ``info`` array (``wire.Info``; what each status means and which error it
+becomes: ``wire.STATUSES``). engine/exchange/native.py is the only caller. Why in C: at one
+decoding sequence a layer's worker side was ~180 us of Python around ~100 us of experts, and the
+router's exchange ~100 us; the served step's CPU outside the experts and the dense part fell by
+more than half (docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import array
+
+import torch
+
+from raymoe.kernels.comm.wire import INFO_FIELDS
+from raymoe.kernels.native_cpu import packed_experts
+from raymoe.kernels.native_library import STATE, unavailable_reason
+
+
+def applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the layer calls take rows of ``dtype`` on ``device``: float32 on the CPU, with the
+    native library loaded (the transport must lend its sockets too: the caller checks that)."""
+    return STATE.enabled and device.type == "cpu" and dtype == torch.float32 and unavailable_reason() is None
+
+
+def new_info() -> array.array:
+    """A zeroed ``info`` array (int64 x ``INFO_FIELDS``)."""
+    return array.array("q", bytes(8 * INFO_FIELDS))
+
+
+def worker_layer(fds: array.array, wake_fd: int, recv_numbers: array.array, send_numbers: array.array,
+                 headers: array.array, slots: int, flags: int, dispatch_checksum: int, combine_checksum: int,
+                 epochs: array.array, maps: torch.Tensor | None, w13: torch.Tensor | None, w2: torch.Tensor | None,
+                 hidden: int, top_k: int, timeout_s: float, info: array.array) -> int:
+    """One MoE layer of a worker in one call: read every router's header and rows, run the
+    experts as kernels/native_cpu.py::run_rows does, send each router its sums and trailer.
+    ``fds`` (int32) the routers' sockets in rank order; ``recv_numbers`` / ``send_numbers``
+    (int64) the next message numbers, advanced in place; ``headers`` (int64, R x (HEADER_FIELDS
+    + S)) read here unless ``flags`` (``wire.LayerFlag``) says given; ``epochs`` (int64) and
+    ``maps`` (``[E, S]`` int64) the pool row of each local slot per epoch served; ``w13``, ``w2``
+    the layer's experts (None with ``HEADERS_ONLY``). Returns the status, details in ``info``.
+    Releases the GIL while it runs (native_cpu.experts_apply checked by the caller)."""
+    if w13 is None:
+        packed13 = packed2 = maps = None
+        pool, intermediate = 0, 0
+    else:
+        packed13, packed2 = packed_experts(w13, w2)
+        maps = maps.contiguous()
+        pool, intermediate = w13.shape[0], w2.shape[2]
+    pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
+    return STATE.library.raymoe_worker_layer(
+        fds.buffer_info()[0], len(fds), wake_fd, recv_numbers.buffer_info()[0], send_numbers.buffer_info()[0],
+        headers.buffer_info()[0], slots, flags, dispatch_checksum, combine_checksum, epochs.buffer_info()[0],
+        len(epochs), pointer(maps), pointer(packed13), pointer(packed2), pool, hidden, intermediate, top_k,
+        max(1, int(timeout_s * 1e9)), info.buffer_info()[0])
+
+
+def router_layer(fds: array.array, workers: array.array, wake_fd: int, recv_numbers: array.array,
+                 send_numbers: array.array, send_counts: array.array, slot_counts: array.array, slots: int,
+                 epoch: int, dispatch_checksum: int, packed: torch.Tensor | None, row_bytes: int,
+                 received: torch.Tensor, sum_bytes: int, timeout_s: float, info: array.array) -> int:
+    """A router's side of one MoE layer in one call: to each worker (``fds`` int32, ``workers``
+    int64: their sockets and worker indices, in rank order) its header and its rows of ``packed``
+    (the plan's rows in worker order, ``row_bytes`` each; None with no rows), then every worker's
+    sums and trailer into ``received`` (contiguous uint8, in rank order). ``send_counts`` /
+    ``slot_counts`` (int64) are the plan's, over every worker of the placement. Returns the
+    status (``DONE`` or a transport's), details in ``info``; releases the GIL."""
+    return STATE.library.raymoe_router_layer(
+        fds.buffer_info()[0], workers.buffer_info()[0], len(fds), wake_fd, recv_numbers.buffer_info()[0],
+        send_numbers.buffer_info()[0], send_counts.buffer_info()[0], slot_counts.buffer_info()[0], slots, epoch,
+        dispatch_checksum, None if packed is None else packed.data_ptr(), row_bytes, received.data_ptr(), sum_bytes,
+        max(1, int(timeout_s * 1e9)), info.buffer_info()[0])
+
+
+def router_empty_layers(fds: array.array, wake_fd: int, recv_numbers: array.array, send_numbers: array.array,
+                        dispatch_checksums: array.array, slots: int, epoch: int, received: torch.Tensor,
+                        timeout_s: float, info: array.array) -> int:
+    """A router's side of several MoE layers without rows in one call: every layer's header (one
+    checksum each in ``dispatch_checksums``, int64) to each worker (``fds``, in rank order) at
+    once, then every layer's trailer from each into ``received`` (contiguous uint8,
+    ``[layers][workers][TRAILER_BYTES]``). Statuses and ``info`` as :func:`router_layer`'s;
+    releases the GIL."""
+    return STATE.library.raymoe_router_empty_layers(
+        fds.buffer_info()[0], len(fds), wake_fd, recv_numbers.buffer_info()[0], send_numbers.buffer_info()[0],
+        len(dispatch_checksums), dispatch_checksums.buffer_info()[0], slots, epoch, received.data_ptr(),
+        max(1, int(timeout_s * 1e9)), info.buffer_info()[0])
