@@ -9,6 +9,11 @@ No Ray call per step. Requests arrive through actor calls and their tokens strea
 they are sampled. Operators find each as ``{deployment}-router-{r}`` (Ray namespace
 ``raymoe``): ``raymoe status --address HOST:PORT`` lists every router's pid, node, liveness,
 requests in flight and last failure (docs/DEPLOY.md, section 4, also for Ray's own tools).
+
+Before a router can join the group its constructor warms every kernel its first step would
+otherwise compile or load (FlashInfer's attention modules, the native CPU kernels, cuBLAS's
+handle: :meth:`Router._warm_up`), so the deadline of the group's first step counts from a warm
+router, not from a JIT compile.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from raymoe.engine.exchange.remote_experts import RemoteExperts
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.telemetry import Telemetry
 from raymoe.engine.tokenizer import Tokenizer
+from raymoe.kernels import native_cpu
+from raymoe.kernels.attention_flashinfer import warm_up_attention
 from raymoe.kernels.comm import CommBackend, CommError, make_communicator, new_rendezvous
 from raymoe.engine.hf_config import load_model_config
 from raymoe.moe.placement import PlacementTable
@@ -143,6 +150,8 @@ class Router:
         self.device = self.engine.device
         self.experts.device = self.device
         self.experts.set_placement(self.placement)  # index tables on the engine's device
+        # Every JIT now, before join() can be called: the group's first step must not wait for it.
+        self.warm_up = self._warm_up()
         self._lock = threading.Lock()  # guards the engine: steps, adds, aborts, scoring
         self._wake = threading.Condition()  # guards the inbox below; wakes the idle step thread
         self._incoming: list[tuple[str, list[int], SamplingParams]] = []
@@ -160,6 +169,26 @@ class Router:
         self.last_failure: dict[str, Any] | None = None
         self.idle_rounds = 0
         self.generated_tokens = 0  # tokens this router sampled since start (aborted requests' too)
+
+    def _warm_up(self) -> dict[str, Any]:
+        """Run once what compiles or loads kernels on first use, outside any group: the
+        attention backend's plan and run for a prompt, a chunk after cached context and a
+        decode batch (FlashInfer JIT-compiles its modules there), the native CPU kernels'
+        build (float32 on the CPU), and on CUDA a matmul in the model's dtype (cuBLAS creates
+        its handle and workspace on the first one). Returns what ran (``info()["warm_up"]``)."""
+        started = time.perf_counter()
+        engine, device = self.engine, self.device
+        report: dict[str, Any] = {"attention": warm_up_attention(engine.model.attention, engine.cache.layer(0),
+                                                                 engine.blocks.block_size, engine.dtype, device)}
+        if device.type == "cpu" and engine.dtype == torch.float32:
+            reason = native_cpu.unavailable_reason()  # builds and loads the library on its first call
+            report["native_cpu"] = "loaded" if reason is None else f"unavailable: {reason}"
+        if device.type == "cuda":
+            probe = torch.randn(16, 64, device=device).to(engine.dtype)
+            (probe @ probe.T).sum().item()  # cuBLAS handle and workspace; one sync, at start-up
+            report["cublas"] = "initialised"
+        report["seconds"] = time.perf_counter() - started
+        return report
 
     # ---- the deployment's expert-parallel group ---------------------------------------
     def rendezvous(self) -> Any:
@@ -503,7 +532,7 @@ class Router:
                 "pinned_core": self.pinned_core, "allocator": allocator_in_use(),
                 "niceness": os.nice(0),
                 "recoveries": self.recoveries, "comm_generation": self.comm_generation,
-                "last_failure": self.last_failure}
+                "last_failure": self.last_failure, "warm_up": self.warm_up}
 
     def shutdown(self) -> None:
         with self._wake:
