@@ -18,17 +18,23 @@ Three implementations behind one function:
   bfloat16 weights and the layout it accepts (every row 16-byte aligned: D and I multiples
   of 8). Which one runs is decided up front from dtype, device and shapes; a failure of
   ``torch._grouped_mm`` on a layout chosen for it is a bug and raises, never a silent
-  fall back to the (slower) loop.
+  fall back to the (slower) loop. ``torch._grouped_mm`` needs torch 2.8 and an sm90 GPU
+  (H100/H200): a bfloat16 CUDA run without them takes the loop, and the log says so once per
+  process, with the reason (:func:`grouped_mm_unavailable`).
 """
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Executor
 
 import torch
 import torch.nn.functional as F
 
 from raymoe.kernels import native_cpu, packed_linear
+
+LOG = logging.getLogger("raymoe.kernels")
+_fallback_logged = False
 
 
 def kernel_name(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> str:
@@ -152,12 +158,30 @@ def _use_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> boo
 
 
 def _can_grouped_mm(x: torch.Tensor, w13: torch.Tensor) -> bool:
-    return (
-        hasattr(torch, "_grouped_mm")
-        and x.dtype == torch.bfloat16
-        and w13.dtype == torch.bfloat16
-        and torch.cuda.get_device_capability(x.device)[0] >= 9
-    )
+    if x.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16:
+        return False
+    reason = grouped_mm_unavailable(torch.__version__, hasattr(torch, "_grouped_mm"),
+                                    torch.cuda.get_device_capability(x.device))
+    if reason is not None:
+        _log_fallback_once(reason)
+    return reason is None
+
+
+def grouped_mm_unavailable(torch_version: str, has_grouped_mm: bool, capability: tuple[int, int]) -> str | None:
+    """Why bfloat16 experts on this CUDA device cannot take ``torch._grouped_mm``, or None."""
+    if not has_grouped_mm:
+        return f"torch {torch_version} has no torch._grouped_mm (torch 2.8 or later has it)"
+    if capability[0] < 9:
+        return (f"this GPU is sm{capability[0]}{capability[1]}; torch._grouped_mm needs sm90 (H100/H200) "
+                f"or later")
+    return None
+
+
+def _log_fallback_once(reason: str) -> None:
+    global _fallback_logged
+    if not _fallback_logged:
+        _fallback_logged = True
+        LOG.warning("bfloat16 experts run one GEMM pair per slot, not torch._grouped_mm: %s", reason)
 
 
 def _grouped_mm_layout_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
