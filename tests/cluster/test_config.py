@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from doc_examples import fenced_block
 from raymoe.cluster.config import (
     ClusterConfig,
     CommBackend,
@@ -23,19 +24,11 @@ from raymoe.cluster.config import (
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "configs" / "examples"
 
-MINIMUM = """\
-model: /path/to/checkpoint
-device: cpu            # auto | cpu | cuda
-dtype: float32         # auto | float32 | bfloat16
-routers: 2             # router actors (data parallel over requests)
-expert_workers: 3      # one per GPU
-placement:
-  strategy: round_robin        # contiguous | round_robin | explicit
-  redundant_slots_per_worker: 1
-serve:
-  host: 127.0.0.1
-  port: 8000
-"""
+# The README's cluster config ("Cluster configs"), read from its yaml block as written, and its
+# model line and path.
+MINIMUM = fenced_block("README.md", "yaml", "expert_workers:")
+MODEL_LINE = next(line for line in MINIMUM.splitlines(keepends=True) if line.startswith("model:"))
+MODEL = MODEL_LINE.split("#")[0].split(":", 1)[1].strip()
 
 
 def write(tmp_path: Path, text: str, name: str = "cluster.yaml") -> Path:
@@ -46,7 +39,7 @@ def write(tmp_path: Path, text: str, name: str = "cluster.yaml") -> Path:
 
 def test_minimum_loads_exactly_as_written(tmp_path):
     config = load_cluster_config(write(tmp_path, MINIMUM))
-    assert config.model == "/path/to/checkpoint"
+    assert config.model == os.path.expanduser(MODEL)
     assert config.device is Device.CPU and config.dtype is DType.FLOAT32
     assert (config.routers, config.expert_workers) == (2, 3)
     assert config.placement.strategy is PlacementStrategy.ROUND_ROBIN
@@ -92,12 +85,12 @@ def test_to_dict_round_trips_and_is_json(tmp_path):
 
 def test_relative_model_path_resolves_against_the_file(tmp_path):
     (tmp_path / "sub").mkdir()
-    path = write(tmp_path / "sub", MINIMUM.replace("/path/to/checkpoint", "../ckpt/demo"))
+    path = write(tmp_path / "sub", MINIMUM.replace(MODEL, "../ckpt/demo"))
     assert load_cluster_config(path).model == str(tmp_path / "ckpt" / "demo")
 
 
 def test_relative_model_path_with_base_dir_and_home(tmp_path, monkeypatch):
-    text = MINIMUM.replace("/path/to/checkpoint", "demo")
+    text = MINIMUM.replace(MODEL, "demo")
     assert load_cluster_config(text, base_dir=tmp_path).model == str(tmp_path / "demo")
     assert parse_cluster_config({"model": "./a/../b"}, base_dir="/x").model == "/x/b"
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -153,7 +146,7 @@ def explicit(experts: str, extra: str = "") -> str:
         (MINIMUM.replace("port: 8000", "port: 65536"), "serve.port: expected an integer in 1..65535; got 65536"),
         (MINIMUM.replace("device: cpu", "device: tpu"), "device: expected one of auto, cpu, cuda; got 'tpu'"),
         (MINIMUM.replace("dtype: float32", "dtype: fp8"), "dtype: expected one of auto, float32, bfloat16, float16; got 'fp8'"),
-        (MINIMUM.replace("model: /path/to/checkpoint\n", ""), "model: required field is missing"),
+        (MINIMUM.replace(MODEL_LINE, ""), "model: required field is missing"),
         (MINIMUM + "comm: {timeout_s: 0}\n", "comm.timeout_s: expected a number > 0; got 0"),
         (MINIMUM + "comm: {backend: mpi}\n", "comm.backend: expected one of auto, nccl, gloo, sockets; got 'mpi'"),
         (MINIMUM + "capacity: {factor: -0.5}\n", "capacity.factor: expected a number > 0; got -0.5"),
@@ -179,7 +172,8 @@ def explicit(experts: str, extra: str = "") -> str:
         (explicit("{0: [0, 1]}", "  layers: {2: {0: [0], 7: [1]}}\n"),
          "placement.layers.2.7: worker 7 does not exist"),
         (explicit("{0: [0, 1]}", "  layers: {2: {0: [1, 1]}}\n"), "placement.layers.2.0: experts listed more than once: [1]"),
-        (MINIMUM + "serve: {port: 1}\n", "line 12, column 1: invalid YAML: key 'serve' appears twice"),
+        (MINIMUM + "serve: {port: 1}\n",
+         f"line {MINIMUM.count(chr(10)) + 1}, column 1: invalid YAML: key 'serve' appears twice"),
         ("model: x\nplacement: []\n", "placement: expected a mapping; got []"),
     ],
     ids=lambda value: value.split(":")[0] if "\n" not in value else "",

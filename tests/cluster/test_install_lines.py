@@ -10,7 +10,6 @@ says so in its skip reason.
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import socket
 import subprocess
@@ -19,13 +18,14 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+from doc_examples import fenced_blocks
+
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
 def torch_lines() -> list[list[str]]:
     """The `pip install torch...` parts of the README's bash blocks, as argument lists."""
-    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+    blocks = fenced_blocks("README.md", "bash")
     found = []
     for block in blocks:
         for command in block.split("&&"):
