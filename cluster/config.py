@@ -40,6 +40,7 @@ import numpy as np
 import yaml
 
 from raymoe.cluster.config_errors import ConfigError, describe_validation_error
+from raymoe.cluster.gpu_env import nccl_env_problem
 from raymoe.engine.prefill_pacer import DEFAULT_PREFILL_STEP_SLOWDOWN
 from raymoe.kernels.comm.factory import CommBackend
 from raymoe.moe.balancer import BalancerAlgorithm
@@ -122,6 +123,9 @@ class PlacementSection(_Section):
 class CommSection(_Section):
     backend: CommBackend = CommBackend.AUTO
     timeout_s: PositiveFloat = 30.0
+    # NCCL's settings for every GPU actor (routers, workers), through Ray's runtime_env
+    # env_vars: network plugin, interfaces, libfabric (cluster/gpu_env.py, docs/DEPLOY.md).
+    nccl_env: dict[str, str | int] = msgspec.field(default_factory=dict)
 
 
 class CapacitySection(_Section):
@@ -318,6 +322,14 @@ def _cross_field_problem(config: ClusterConfig) -> str | None:
     if 0 < config.engine.prefill_step_slowdown <= 1:
         return (f"engine.prefill_step_slowdown: expected a factor > 1 (a step with prompt chunks may take "
                 f"that many times a decode-only step) or 0 (off); got {config.engine.prefill_step_slowdown}")
+    if config.comm.nccl_env:
+        problem = nccl_env_problem(config.comm.nccl_env)
+        if problem:
+            return problem
+        if config.device is Device.CPU or config.comm.backend in (CommBackend.GLOO, CommBackend.SOCKETS):
+            served = "device: cpu" if config.device is Device.CPU else f"comm.backend: {config.comm.backend.value}"
+            return (f"comm.nccl_env: NCCL's settings for GPU actors, but this config never runs NCCL ({served}); "
+                    f"remove comm.nccl_env or serve on GPUs")
     if config.comm.backend in (CommBackend.GLOO, CommBackend.SOCKETS) and config.device is Device.CUDA:
         # gloo and sockets move CPU tensors only: every dispatch on GPU activations would
         # fail, and recovery would rebuild the same group and fail again, forever. (device
