@@ -119,7 +119,7 @@ def test_a_fault_point_must_exist(ray_session, tiny_mixtral_dir):
 
 def test_a_deterministic_compute_error_fails_its_requests_after_bounded_retries(ray_session, tiny_mixtral_dir,
                                                                                  expected):
-    from raymoe.actors.controller import MAX_IDENTICAL_STEP_FAILURES
+    from raymoe.actors.recovery import MAX_IDENTICAL_STEP_FAILURES
 
     batch, want = expected
     config = cluster_config(tiny_mixtral_dir, expert_workers=2, routers=1,

@@ -112,19 +112,19 @@ def test_reload_of_another_pool_shape_replaces_it(tiny_mixtral_dir):
 
 # ---- the controller's reload call: a deadline from the bytes, retried on a timeout -------------
 def test_reload_deadline_grows_with_the_bytes_to_load():
-    from raymoe.actors import controller
+    from raymoe.actors import recovery
 
-    assert controller.reload_deadline_s(0) == controller.RELOAD_FLOOR_S
-    small, large = controller.reload_deadline_s(2**30), controller.reload_deadline_s(16 * 2**30)
-    assert controller.RELOAD_FLOOR_S < small < large
-    assert large - controller.RELOAD_FLOOR_S == pytest.approx(16 * 2**30 / controller.RELOAD_MIN_BYTES_PER_S)
+    assert recovery.reload_deadline_s(0) == recovery.RELOAD_FLOOR_S
+    small, large = recovery.reload_deadline_s(2**30), recovery.reload_deadline_s(16 * 2**30)
+    assert recovery.RELOAD_FLOOR_S < small < large
+    assert large - recovery.RELOAD_FLOOR_S == pytest.approx(16 * 2**30 / recovery.RELOAD_MIN_BYTES_PER_S)
     assert large > 300  # the fixed 60 s the reload had before could not load 16 GiB at any disk's speed
 
 
 def test_a_timed_out_reload_is_retried_with_backoff_then_given_up():
     import ray
 
-    from raymoe.actors.controller import retry_on_timeout
+    from raymoe.actors.recovery import retry_on_timeout
 
     calls, sleeps, timeouts = [], [], []
 
@@ -154,7 +154,7 @@ def test_the_controller_reloads_with_the_deadline_and_retries(monkeypatch):
     """Controller._reload passes the bytes' deadline to each try and retries a timed-out one."""
     import ray
 
-    from raymoe.actors import controller
+    from raymoe.actors import controller, recovery
 
     gets = []
 
@@ -170,14 +170,14 @@ def test_the_controller_reloads_with_the_deadline_and_retries(monkeypatch):
             def remote(placement):
                 return placement
 
-    monkeypatch.setattr(controller.ray, "get", fake_get)
-    monkeypatch.setattr(controller.time, "sleep", lambda s: None)
+    monkeypatch.setattr(recovery.ray, "get", fake_get)
+    monkeypatch.setattr(recovery.time, "sleep", lambda s: None)
     host = controller.Controller.__new__(controller.Controller)
     host.workers, host.pool_bytes = [Worker()], 8 * 2**30
     host.counters, host._counters_lock = dict.fromkeys(controller.COUNTERS, 0), __import__("threading").Lock()
     table = initial_placement(2, 8, 1, "round_robin")
     assert host._reload(0, table) == {"bytes_read": 0}
-    assert gets == [controller.reload_deadline_s(8 * 2**30)] * 2
+    assert gets == [recovery.reload_deadline_s(8 * 2**30)] * 2
     assert host.counters["reload_timeouts"] == 1
 
 
