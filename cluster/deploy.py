@@ -28,6 +28,7 @@ from raymoe.actors.expert_worker import ExpertWorker
 from raymoe.actors.recovery import join_ep_group
 from raymoe.actors.router import Router, StepFailure
 from raymoe.cluster.config import ClusterConfig
+from raymoe.cluster.gpu_env import gpu_actor_env
 from raymoe.cluster.ray_connect import connect, requested_address
 from raymoe.engine.checkpoint import Checkpoint
 from raymoe.engine.engine import EngineConfig, RequestOutput
@@ -250,9 +251,10 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     spare_rows = worker_pool_rows(placement.slots_per_worker, balancer.enabled, balancer.max_copies_per_rebalance).spare
     worker_class = ray.remote(ExpertWorker)
     threads = [None if gpus else config.cpu.worker_threads] * config.expert_workers
-    # CPU actors: the malloc they start with (engine/host_memory.py; jemalloc where found).
-    cpu_env = {} if gpus else allocator_env(config.cpu.allocator.value)
-    runtime_env = {"runtime_env": {"env_vars": cpu_env}} if cpu_env else {}
+    # CPU actors: the malloc they start with (engine/host_memory.py; jemalloc where found);
+    # GPU actors: NCCL's network settings, comm.nccl_env (cluster/gpu_env.py).
+    actor_env = gpu_actor_env(config) if gpus else allocator_env(config.cpu.allocator.value)
+    runtime_env = {"runtime_env": {"env_vars": actor_env}} if actor_env else {}
     workers = [
         worker_class.options(
             num_cpus=0 if gpus else CPU_SLIVER, num_gpus=1 if gpus else 0, max_concurrency=concurrency,
