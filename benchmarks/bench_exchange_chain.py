@@ -7,8 +7,9 @@ rows (``plan_exchange_on_host``) and exchanges them; the worker runs its experts
 (``run_rows``) and sends the sums back. No dense part and no Ray: only what the exchange
 costs beside the experts.
 
-- ``sockets-unix`` and ``sockets-tcp``: raymoe's own ``RouterExchange`` and ``WorkerExchange``
-  over the sockets transport, connected as ranks on one machine are (a Unix socket) and as
+- ``sockets-unix`` and ``sockets-tcp``: raymoe's own router and worker sides of the exchange
+  (``router_exchange``, ``worker_exchange``: the native ones, where the kernels run) over the
+  sockets transport, connected as ranks on one machine are (a Unix socket) and as
   ranks on two machines are (TCP over loopback);
 - ``floor``: the same plan, rows, experts and combine over a bare socket pair with no
   framework at all (a size header, blocking reads, no tags, trailers, deadlines or checks):

@@ -56,7 +56,8 @@ import torch
 from raymoe.kernels import weight_cache
 from raymoe.kernels.comm.wire import Status, row_bytes
 # set_enabled and unavailable_reason are the loader's: this module's callers (attention, norms) ask them here
-from raymoe.kernels.native_library import CHUNK_ROWS, STATE, check as _check, set_enabled, unavailable_reason  # noqa: F401
+from raymoe.kernels.native_library import CHUNK_ROWS, STATE, set_enabled, unavailable_reason  # noqa: F401
+from raymoe.kernels.native_library import check as _check
 
 KERNEL = "native-avx512"
 HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64
@@ -80,6 +81,14 @@ def experts_apply(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     return unavailable_reason() is None
 
 
+def experts_fit(dtype: torch.dtype, device: torch.device, hidden_size: int, intermediate_size: int) -> bool:
+    """Whether :func:`experts_apply` takes experts of these sizes and rows of ``dtype`` on
+    ``device`` (asked of stand-ins of the stacks' shapes: no memory)."""
+    one = torch.empty(1, dtype=dtype, device=device)
+    return experts_apply(one.expand(1, hidden_size), one.expand(1, 2 * intermediate_size, hidden_size),
+                         one.expand(1, hidden_size, intermediate_size))
+
+
 def swiglu_jobs(x: torch.Tensor, out: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 jobs: list[tuple[int, int, int]]) -> None:
     """``out[b:e] = swiglu_r(x[b:e])`` for each job ``(r, b, e)`` (:func:`experts_apply` checked by
@@ -98,9 +107,9 @@ def run_rows(payload: torch.Tensor, top_k: int, maps: torch.Tensor, segment_rows
              w2: torch.Tensor, assignments: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """A worker's received rows through its experts in one call (engine/experts.py::run_rows's
     arithmetic, so its bits): ``payload: [N, row_bytes]`` uint8 rows as dispatched
-    (kernels/comm/wire.py::RowFormat: activations, k int32 local slots, k float32 weights), in segments of ``segment_rows`` rows; ``maps:
-    [segments, S]`` int64, the pool row serving each local slot for that segment; ``assignments``:
-    what the routers' headers announced. Returns ``[N, D]`` float32, written into ``out`` (any
+    (kernels/comm/wire.py::RowFormat: activations, k int32 local slots, k float32 weights), in
+    segments of ``segment_rows`` rows; ``maps: [segments, S]`` int64, the pool row serving each
+    local slot for that segment; ``assignments``: what the routers' headers announced. Returns ``[N, D]`` float32, written into ``out`` (any
     contiguous float32 buffer of N * D) when given (:func:`experts_apply` checked for the pool,
     float32 rows)."""
     num_rows, width = payload.shape

@@ -50,9 +50,9 @@ from concurrent.futures import Executor
 import torch
 
 from raymoe.engine.exchange.native_sides import NativeRouterExchange, NativeWorkerExchange
-from raymoe.engine.exchange.python_sides import PythonRouterExchange, PythonWorkerExchange, experts_take
+from raymoe.engine.exchange.python_sides import PythonRouterExchange, PythonWorkerExchange
 from raymoe.engine.exchange.sides import RouterExchange, WorkerExchange, WorkerLayerResult
-from raymoe.kernels import native_exchange
+from raymoe.kernels import native_cpu, native_exchange
 from raymoe.kernels.comm.base import Communicator
 from raymoe.kernels.comm.wire import GroupLayout
 
@@ -78,7 +78,7 @@ def worker_exchange(comm: Communicator, layout: GroupLayout, slots_per_worker: i
     experts beside the serving one (``executor``: the native layer runs them on its own); else
     Python's."""
     native = (comm.native_routines and executor is None and native_exchange.applies(dtype, device)
-              and experts_take(dtype, device, hidden_size, intermediate_size))
+              and native_cpu.experts_fit(dtype, device, hidden_size, intermediate_size))
     if native:
         return NativeWorkerExchange(comm, layout, slots_per_worker, hidden_size, top_k, dtype, device)
     return PythonWorkerExchange(comm, layout, slots_per_worker, hidden_size, top_k, dtype, device, executor,

@@ -22,7 +22,16 @@ from raymoe.engine.exchange.sides import RouterExchange, WorkerExchange, WorkerL
 from raymoe.kernels import native_exchange
 from raymoe.kernels.comm.base import Communicator
 from raymoe.kernels.comm.errors import CollectiveMismatch, CommError
-from raymoe.kernels.comm.wire import HEADER_KIND, TRAILER_BYTES, GroupLayout, Info, LayerFlag, Status, header_width, layer_tags
+from raymoe.kernels.comm.wire import (
+    HEADER_KIND,
+    TRAILER_BYTES,
+    GroupLayout,
+    Info,
+    LayerFlag,
+    Status,
+    header_width,
+    layer_tags,
+)
 
 # (plain ints: read on every layer)
 _DONE, _IDLE, _HEADERS_READ = int(Status.DONE), int(Status.IDLE), int(Status.HEADERS_READ)
@@ -118,7 +127,8 @@ class NativeWorkerExchange(WorkerExchange):
             fds, wake, received, sent, flat, self.slots_per_worker, flags, dispatch_checksum, combine_checksum,
             epochs, maps, w13, w2, self.hidden_size, self.top_k, timeout_s, info))
         if status == _DONE:
-            return WorkerLayerResult(rows=info[_ROWS], assignments=info[_ASSIGNMENTS], compute_s=info[_COMPUTE_NS] * 1e-9)
+            return WorkerLayerResult(rows=info[_ROWS], assignments=info[_ASSIGNMENTS],
+                                     compute_s=info[_COMPUTE_NS] * 1e-9)
         if status == _IDLE:
             return None
         if status == _HEADERS_READ:
@@ -137,11 +147,13 @@ class NativeWorkerExchange(WorkerExchange):
         the communicator failure it is (the error itself where it is one)."""
         dispatch_tag, routers = layer_tags(layer)[0], self._routers
         if status == Status.CHECKSUM:
-            error = CollectiveMismatch(tag=dispatch_tag, peer=routers[info[Info.PEER]], world_size=self.layout.world_size)
+            error = CollectiveMismatch(tag=dispatch_tag, peer=routers[info[Info.PEER]],
+                                       world_size=self.layout.world_size)
             return error, error
         if status == Status.KINDS:
             kinds = sorted({flat[r * width + HEADER_KIND] for r in range(len(routers))})
-            error = CommError(f"collective {dispatch_tag!r}: routers disagree on whether this is a step (kinds {kinds})")
+            error = CommError(f"collective {dispatch_tag!r}: routers disagree on whether this is a step "
+                              f"(kinds {kinds})")
             return error, error
         if status == Status.EPOCH:
             error = RuntimeError(f"layer {layer}: a router uses placement epoch {info[Info.A]}, which this worker "

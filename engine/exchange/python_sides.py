@@ -101,7 +101,8 @@ class PythonWorkerExchange(WorkerExchange):
         super().__init__(comm, layout, slots_per_worker, hidden_size, top_k, dtype, device, executor)
         self._identity = list(range(slots_per_worker))  # pool rows when no expert is staged
         self._run_experts = (self._run_native if executor is None
-                             and experts_take(dtype, device, hidden_size, intermediate_size) else self._run_torch)
+                             and native_cpu.experts_fit(dtype, device, hidden_size, intermediate_size)
+                             else self._run_torch)
 
     def receive_headers(self, layer: int, timeout_s: float | None = None) -> list[list[int]] | None:
         tag, expected, _, _ = layer_tags(layer)
@@ -207,10 +208,3 @@ class PythonWorkerExchange(WorkerExchange):
         self.comm.transfer(sends, [], tag=combine_tag)
         return WorkerLayerResult(rows=total, assignments=assignments, compute_s=compute_s)
 
-
-def experts_take(dtype: torch.dtype, device: torch.device, hidden_size: int, intermediate_size: int) -> bool:
-    """Whether the native experts kernel takes a layer of these sizes (native_cpu.experts_apply
-    on stand-ins of the stacks' shapes: no memory)."""
-    one = torch.empty(1, dtype=dtype, device=device)
-    return native_cpu.experts_apply(one.expand(1, hidden_size), one.expand(1, 2 * intermediate_size, hidden_size),
-                                    one.expand(1, hidden_size, intermediate_size))

@@ -9,11 +9,13 @@ destination tensor.
 
 Like gloo.py this module is only the transport under `PointToPointCommunicator`
 (kernels/comm/p2p.py): ``_post`` queues a batch of messages, ``_wait`` moves them under the
-deadline. Each message is a 16-byte header (the pair's message number, the byte count) and
-the bytes; a stream per pair keeps them in order, and the numbers check that both sides
-agree (the frame: kernels/comm/wire.py). A closed connection is `PeerLostError` naming the peer; a deadline that passes is
-`CollectiveTimeout` naming the first peer still owing or owed bytes; `abort()` from another
-thread wakes a waiting one (a pipe in every poll).
+deadline. Each message is a 16-byte header (the pair's message number, the byte count: the
+frame of kernels/comm/wire.py) and the bytes; a stream per pair keeps them in order, and the
+numbers check that both sides agree. A closed connection is `PeerLostError` naming the
+peer; a deadline that passes is `CollectiveTimeout` naming the first peer still owing or owed
+bytes; `abort()` from another thread wakes a waiting one (a pipe in every poll). Native code
+may move the same framed messages on these sockets itself (``run_native``: the exchange's
+layer calls, kernels/csrc/cpu_exchange.c); this module runs none and imports none.
 
 Rendezvous: rank 0 serves a c10d TCPStore on ``host:port`` (that address only); every rank
 listens on its own address (``bind_host``, an ephemeral port), publishes it under the

@@ -115,8 +115,15 @@ def test_shapes_dtypes_and_the_switch_it_does_not_take_go_to_onednn_or_torch():
     w13, w2 = _stacks(2, 64, 48)
     assert not native_cpu.experts_apply(torch.randn(3, 64).bfloat16(), w13.bfloat16(), w2.bfloat16())
     assert kernel_name(torch.randn(3, 64).bfloat16(), w13.bfloat16(), w2.bfloat16()) == "torch"
+    if CAN_RUN:  # the same question asked of sizes (a worker's exchange, at join)
+        cpu = torch.device("cpu")
+        assert native_cpu.experts_fit(torch.float32, cpu, 64, 48)
+        assert not native_cpu.experts_fit(torch.float32, cpu, 48, 48)  # D not a multiple of 32
+        assert not native_cpu.experts_fit(torch.float32, cpu, 64, 40)  # I not a multiple of 16
+        assert not native_cpu.experts_fit(torch.bfloat16, cpu, 64, 48)
     native_cpu.set_enabled(False)
     assert not native_cpu.experts_apply(torch.randn(3, 64), w13, w2)
+    assert not native_cpu.experts_fit(torch.float32, torch.device("cpu"), 64, 48)
     assert "turned off" in native_cpu.unavailable_reason()
 
 
