@@ -26,7 +26,7 @@ import torch
 from bench_e2e import run_transformers
 from common import build_mixtral, machine_description, workload
 from raymoe.cluster import bench_report, loadgen
-from raymoe.cluster.bench_cli import ServedConfig
+from raymoe.cluster.serve_process import ServeProcess
 
 CLUSTER_YAML = """\
 model: {model}
@@ -61,7 +61,9 @@ def main() -> None:
         with open(config, "w") as handle:
             handle.write(CLUSTER_YAML.format(model=os.path.join(folder, "model")))
         runs = []
-        with ServedConfig(config) as server:
+        server = ServeProcess.raymoe(config, host="127.0.0.1", ready_timeout_s=600)
+        print(f"serving {config} at {server.url}", file=sys.stderr)
+        with server:
             name = loadgen.served_model(server.url)
             # Each concurrency runs both sides back to back (the server idles while generate()
             # runs), so that background load on a shared machine hits both alike.

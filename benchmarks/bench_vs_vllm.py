@@ -46,7 +46,6 @@ import re
 import shutil
 import signal
 import statistics
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,9 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any, Iterator
+
+from raymoe.cluster.serve_process import ServeProcess, serve_argv
+from raymoe.kernels.comm.ports import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_vs_vllm.json")
@@ -82,12 +84,6 @@ BURST_ITL_MS = 0.1
 
 def log(message: str) -> None:
     print(f"[bench_vs_vllm {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # --- the checkpoint -----------------------------------------------------------------------
@@ -120,43 +116,33 @@ def checkpoint_summary(path: str) -> dict[str, Any]:
 
 # --- server processes ---------------------------------------------------------------------
 
-class Server:
-    """A server started as its own process group; output to ``log_path``; stopped by its PID."""
+def first_model(url: str) -> str | None:
+    """The first model id that GET /v1/models lists (None while it lists none)."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as response:
+        models = json.loads(response.read()).get("data") or []
+        return models[0]["id"] if response.status == 200 and models else None
+
+
+class Server(ServeProcess):
+    """A server (vLLM's or raymoe's) started as its own process group (cluster/serve_process.py);
+    output appended to ``log_path``; ready once GET /v1/models lists a model; stopped by its PID,
+    then its group."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log_path: str):
-        self.name, self.argv, self.env, self.port, self.log_path = name, argv, env, port, log_path
         # Run from the log's folder, not the caller's: `python -m` puts the working directory
         # first on sys.path, and a checkout's raymoe/ there would shadow the installed package.
-        self.cwd = os.path.dirname(log_path)
-        self.url = f"http://127.0.0.1:{port}"
-        self.process: subprocess.Popen | None = None
+        super().__init__(argv, port, log_path=log_path, env=env, cwd=os.path.dirname(log_path), name=name)
 
     def start(self) -> None:
         log(f"{self.name}: {' '.join(self.argv)}  (log: {self.log_path})")
-        with open(self.log_path, "ab") as output:
-            self.process = subprocess.Popen(self.argv, env=self.env, stdout=output, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.cwd)
+        super().start()
 
     def wait_ready(self, timeout_s: float) -> str:
         """Poll GET /v1/models until it lists a model; returns the first model id."""
-        assert self.process is not None
         started = time.monotonic()
-        deadline = started + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode} before it was ready; "
-                                   f"last lines of {self.log_path}:\n{tail(self.log_path)}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as response:
-                    models = json.loads(response.read()).get("data") or []
-                    if response.status == 200 and models:
-                        log(f"{self.name}: ready after {time.monotonic() - started:.1f} s, model {models[0]['id']!r}")
-                        return models[0]["id"]
-            except (OSError, ValueError, urllib.error.URLError):
-                pass
-            time.sleep(1.0)
-        raise RuntimeError(f"{self.name} was not ready within {timeout_s:.0f} s; last lines of {self.log_path}:\n"
-                           f"{tail(self.log_path)}")
+        model = super().wait_ready(timeout_s, probe=first_model, interval_s=1.0)
+        log(f"{self.name}: ready after {time.monotonic() - started:.1f} s, model {model!r}")
+        return model
 
     def stop(self, grace_s: float = 90.0) -> None:
         """SIGINT to the PID, then SIGTERM and SIGKILL to its process group, each wait bounded."""
@@ -315,7 +301,7 @@ def run_raymoe(spec: str, args: argparse.Namespace, checkpoint: str, work: str) 
     ray_tmp = tempfile.mkdtemp(prefix="bvv-ray-", dir="/tmp")
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_TMPDIR=ray_tmp)
     env.pop("RAY_ADDRESS", None)
-    argv = [args.raymoe_python, "-m", "raymoe.cluster.cli", "serve", config, "--host", "127.0.0.1", "--port", str(port)]
+    argv = serve_argv(config, port, host="127.0.0.1", python=args.raymoe_python)
     server = Server(label, argv, env, port, os.path.join(work, f"{label.replace(' ', '-')}-serve.log"))
     rows = []
     try:

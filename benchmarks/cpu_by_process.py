@@ -21,37 +21,32 @@ import collections
 import os
 import time
 
+from raymoe.cluster import procfs
+
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def snapshot() -> dict[tuple[str, str], tuple[str, str, float, int]]:
     """(pid, tid) -> (process label, thread name, CPU seconds, voluntary context switches)."""
     out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in map(str, procfs.pids()):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            with open(f"/proc/{pid}/comm") as f:
-                label = f"{f.read().strip()} | {command[:60]}"
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    stat = f.read()
-                fields = stat[stat.rfind(")") + 2:].split()
-                name = stat[stat.find("(") + 1:stat.rfind(")")]
-                with open(f"/proc/{pid}/task/{tid}/status") as f:
-                    switches = int(f.read().split("voluntary_ctxt_switches:")[1].split()[0])
+            command = procfs.command_line(procfs.read_bytes(pid, "cmdline")).strip()
+            label = f"{procfs.read_text(pid, 'comm').strip()} | {command[:60]}"
+            for tid in procfs.threads(pid):
+                name, fields = procfs.parse_stat(procfs.read_text(pid, f"task/{tid}/stat"))
+                switches = int(procfs.status(pid, f"task/{tid}/status")["voluntary_ctxt_switches"])
                 out[(pid, tid)] = (label, name, (int(fields[11]) + int(fields[12])) / TICKS, switches)
-        except (OSError, IndexError, ValueError):  # a process or thread that ended meanwhile
+        except (OSError, IndexError, ValueError, KeyError):  # a process or thread that ended meanwhile
             continue
     return out
 
 
 def running(match: bytes) -> bool:
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in procfs.pids():
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if match in f.read() and pid != str(os.getpid()):
-                    return True
+            if match in procfs.read_bytes(pid, "cmdline") and pid != os.getpid():
+                return True
         except OSError:
             continue
     return False

@@ -23,27 +23,22 @@ import http.client
 import json
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 
 from common import machine_description
+from raymoe.cluster import procfs
+from raymoe.cluster.serve_process import ServeProcess
+from raymoe.kernels.comm.ports import free_port
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def process_name(argv: list[bytes]) -> str:
-    """`ray::Router`, `gcs_server`, `raylet`, or a Python process by its script (`dashboard.py`)."""
-    words = [word.decode(errors="replace") for word in argv if word]
+def process_name(words: list[str]) -> str:
+    """`ray::Router`, `gcs_server`, `raylet`, or a Python process by its script (`dashboard.py`),
+    from its command line's non-empty arguments."""
     if not words:
         return "?"
     first = os.path.basename(words[0]) if words[0].startswith("/") else words[0]
@@ -56,21 +51,12 @@ def process_name(argv: list[bytes]) -> str:
 def session_processes(session: int) -> dict[int, tuple[str, int]]:
     """pid -> (name, RSS bytes) for every process in ``session``."""
     found = {}
-    page = os.sysconf("SC_PAGE_SIZE")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    for pid, process in procfs.processes().items():
+        if process.session != session:
             continue
         try:
-            with open(f"/proc/{entry}/stat") as handle:
-                stat = handle.read()
-            fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[3]) != session:  # field 6 of stat: the session id
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                name = process_name(handle.read().split(b"\0"))
-            with open(f"/proc/{entry}/statm") as handle:
-                found[int(entry)] = (name, int(handle.read().split()[1]) * page)
-        except (OSError, ValueError, IndexError):
+            found[pid] = (process_name(process.arguments), procfs.resident_bytes(pid))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
             continue
     return found
 
@@ -141,20 +127,13 @@ def main() -> None:
     with open(config, "w") as handle:
         handle.write(f"model: {model}\ndevice: cpu\ndtype: float32\nrouters: 1\nexpert_workers: 2\n"
                      "engine:\n  max_num_seqs: 8\nserve:\n  max_queued_per_router: 8\n  served_model_name: demo-mixtral\n")
-    log = open(os.path.join(folder, "serve.log"), "w")
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    server = subprocess.Popen([sys.executable, "-m", "raymoe.cluster.cli", "serve", config, "--port", str(port)],
-                              stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = ServeProcess.raymoe(config, port=port, log_path=os.path.join(folder, "serve.log"), env=env)
+    server.start()
     outcomes: collections.Counter = collections.Counter()
     samples: list[dict[int, tuple[str, int]]] = []
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                    break
-            except OSError:
-                time.sleep(1)
+        server.wait_ready(300, interval_s=1)
         print(f"machine: {machine_description()}; server ready; {args.clients} clients for {args.minutes} min")
         stop_at = time.monotonic() + 60 * args.minutes
         lock = threading.Lock()
@@ -175,7 +154,7 @@ def main() -> None:
         while time.monotonic() < stop_at:
             time.sleep(min(60, max(0.0, stop_at - time.monotonic())))
             minute += 1
-            samples.append(session_processes(server.pid))
+            samples.append(session_processes(server.process.pid))
             with lock:
                 done = sum(outcomes.values())
             print(f"minute {minute}: {done} requests so far, {len(samples[-1])} server processes, "
@@ -183,12 +162,7 @@ def main() -> None:
         for thread in threads:
             thread.join(timeout=180)
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-        log.close()
+        server.stop(90)
     print("\noutcome                                            requests")
     for outcome, count in sorted(outcomes.items()):
         print(f"{outcome:50} {count:8d}")

@@ -18,15 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from typing import Any
 
 from raymoe.cluster import bench_report, loadgen
+from raymoe.cluster.serve_process import ServeProcess
 
 SERVE_READY_TIMEOUT_S = 600
 
@@ -66,7 +62,10 @@ def _run(args: argparse.Namespace) -> int:
         runs = []
         for config in args.compare:
             try:
-                with ServedConfig(config) as server:
+                server = ServeProcess.raymoe(config, host="127.0.0.1", name=f"raymoe serve {config}",
+                                             ready_timeout_s=SERVE_READY_TIMEOUT_S)
+                print(f"raymoe bench: serving {config} at {server.url}", file=sys.stderr)
+                with server:  # its output to our stderr; ready once /health answers; SIGINT on leaving
                     runs.append((config, *_bench(args, server.url, requests, label=config)))
             except (RuntimeError, OSError) as error:
                 print(f"raymoe bench: {error}", file=sys.stderr)
@@ -123,58 +122,3 @@ def _describe(args: argparse.Namespace, requests) -> dict[str, Any]:
             "request_rate": args.request_rate, "prompt_len": None if args.dataset else args.prompt_len,
             "output_len": None if args.dataset else args.output_len, "dataset": args.dataset, "seed": args.seed,
             "warmup": args.warmup, "max_seconds": args.max_seconds}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServedConfig:
-    """`raymoe serve CONFIG` as a child process on a free loopback port, for ``--compare``.
-
-    Its output goes to our stderr; it is ready once ``/health`` answers 200. Leaving the block sends SIGINT (what `raymoe serve` shuts down
-    on) and kills its process group if it does not exit within a minute.
-    """
-
-    def __init__(self, config: str):
-        self.config = config
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> "ServedConfig":
-        print(f"raymoe bench: serving {self.config} at {self.url}", file=sys.stderr)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "raymoe.cluster.cli", "serve", self.config, "--host", "127.0.0.1",
-             "--port", str(self.port)],
-            stdout=sys.stderr, stderr=sys.stderr, start_new_session=True)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + SERVE_READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"raymoe serve {self.config} exited with {self.process.returncode}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"raymoe serve {self.config} was not healthy within {SERVE_READY_TIMEOUT_S} s")
-
-    def __exit__(self, *_: Any) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)

@@ -26,33 +26,25 @@ import signal
 import sys
 import time
 
+from raymoe.cluster import procfs
+
 MARKER = "RAYMOE_RAY_UP_CLUSTER"
 FIRST = ("raylet",)  # the raylet goes first, taking its workers and agents with it
 LAST = ("gcs_server",)  # the GCS goes last, as in `ray stop`
 
 
-def _read(path: str, mode: str = "r"):
-    with open(path, mode) as f:
-        return f.read()
-
-
 def _process_table() -> dict[int, tuple[int, int, str, bytes]]:
     """pid -> (parent pid, real uid, comm, environment block) for every visible process."""
     table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
+    for pid in procfs.pids():
         try:
-            stat = _read(f"/proc/{pid}/stat")
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            uid = next(int(line.split()[1]) for line in _read(f"/proc/{pid}/status").splitlines()
-                       if line.startswith("Uid:"))
-            comm = _read(f"/proc/{pid}/comm").strip()
-        except (OSError, ValueError, IndexError, StopIteration):
+            parent = int(procfs.stat(pid)[1])
+            uid = int(procfs.status(pid)["Uid"].split()[0])
+            comm = procfs.read_text(pid, "comm").strip()
+        except (OSError, ValueError, IndexError, KeyError):
             continue
         try:
-            environ = _read(f"/proc/{pid}/environ", "rb")
+            environ = procfs.read_bytes(pid, "environ")
         except OSError:  # another user's process, or a kernel thread
             environ = b""
         table[pid] = (parent, uid, comm, environ)
@@ -88,7 +80,7 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     try:  # a zombie has exited; its parent (maybe init) has yet to reap it
-        return _read(f"/proc/{pid}/stat").rsplit(")", 1)[1].split()[0] != "Z"
+        return procfs.stat(pid)[0] != "Z"
     except OSError:
         return False
 

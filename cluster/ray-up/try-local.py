@@ -53,6 +53,10 @@ from pathlib import Path
 
 import yaml
 
+from raymoe.cluster import procfs
+from raymoe.cluster.serve_process import READY_LINE, ServeProcess
+from raymoe.kernels.comm.ports import free_port
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 SHIPPED = HERE / "local.yaml"
@@ -91,12 +95,6 @@ def log(message: str) -> None:
     print(f"[try-local {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_for_port(port: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -109,43 +107,15 @@ def wait_for_port(port: int, timeout_s: float) -> None:
 
 # ---- processes ---------------------------------------------------------------------------
 
-def proc_table() -> dict[int, dict]:
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            fields = stat.rsplit(")", 1)[1].split()
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        table[pid] = {"ppid": int(fields[1]), "state": fields[0], "start": int(fields[19]), "cmdline": cmdline}
-    return table
-
-
-def with_descendants(roots: set[int], table: dict[int, dict]) -> set[int]:
-    found = set(roots)
-    changed = True
-    while changed:
-        changed = False
-        for pid, info in table.items():
-            if info["ppid"] in found and pid not in found:
-                found.add(pid)
-                changed = True
-    return found
-
-
-def identities(pids: set[int], table: dict[int, dict]) -> dict[int, int]:
+def identities(pids: set[int], table: dict[int, procfs.Process]) -> dict[int, int]:
     """pid -> start time: a pid that is reused later is not mistaken for the same process."""
-    return {pid: table[pid]["start"] for pid in pids if pid in table}
+    return {pid: table[pid].start_time for pid in pids if pid in table}
 
 
 def still_running(ids: dict[int, int]) -> dict[int, str]:
-    table = proc_table()
-    return {pid: table[pid]["cmdline"][:100] for pid, start in ids.items()
-            if pid in table and table[pid]["start"] == start and table[pid]["state"] != "Z"}
+    table = procfs.processes()
+    return {pid: table[pid].command[:100] for pid, start in ids.items()
+            if pid in table and table[pid].start_time == start and table[pid].state != "Z"}
 
 
 def listening_addresses(pids) -> dict[str, int]:
@@ -153,31 +123,11 @@ def listening_addresses(pids) -> dict[str, int]:
     inodes = {}
     for pid in pids:
         try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                try:
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                except OSError:
-                    continue
-                if target.startswith("socket:["):
-                    inodes[target[8:-1]] = pid
+            inodes.update(dict.fromkeys(procfs.socket_inodes(pid), pid))
         except OSError:
             continue
-    found = {}
-    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
-                continue
-            host_hex, port_hex = fields[1].split(":")
-            raw = bytes.fromhex(host_hex)
-            words = [raw[i:i + 4][::-1] for i in range(0, len(raw), 4)]  # little-endian 32-bit words
-            ip = socket.inet_ntop(socket.AF_INET if width == 8 else socket.AF_INET6, b"".join(words))
-            found[f"{ip}:{int(port_hex, 16)}"] = inodes[fields[9]]
-    return found
+    return {f"{address}:{port}": inodes[inode] for address, port, inode in procfs.tcp_sockets(procfs.TCP_LISTEN)
+            if inode in inodes}
 
 
 def loopback(address: str) -> bool:
@@ -186,8 +136,8 @@ def loopback(address: str) -> bool:
 
 
 def processes_mentioning(text: str) -> set[int]:
-    table = proc_table()
-    return with_descendants({pid for pid, info in table.items() if text in info["cmdline"]}, table)
+    table = procfs.processes()
+    return procfs.descendants({pid for pid, process in table.items() if text in process.command}, table)
 
 
 def terminate(pids, grace_s: float = 10.0) -> None:
@@ -198,7 +148,7 @@ def terminate(pids, grace_s: float = 10.0) -> None:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+    while time.monotonic() < deadline and any(procfs.exists(p) for p in pids):
         time.sleep(0.1)
     for pid in pids:
         try:
@@ -221,7 +171,7 @@ class Launch:
         self.ssh_port = free_port()
         self.ray_temp = f"/tmp/ray-{self.name}"
         self.sshd: subprocess.Popen | None = None
-        self.serve: subprocess.Popen | None = None
+        self.serve: ServeProcess | None = None
         self.bystander_temp: str | None = None
         self.bystander_ids: dict[int, int] = {}
         self.bystander_address: str | None = None
@@ -259,7 +209,7 @@ class Launch:
     # -- 1. bystander
     def start_bystander(self) -> None:
         if self.args.bystander_pids:
-            table = proc_table()
+            table = procfs.processes()
             pids = {int(p) for p in self.args.bystander_pids.split()}
             missing = pids - set(table)
             if missing:
@@ -272,8 +222,8 @@ class Launch:
                           "--include-dashboard=false", "--disable-usage-stats"), 120, "bystander ray start")
         self.bystander_address = f"127.0.0.1:{port}"
         time.sleep(2)  # its raylet's agents
-        table = proc_table()
-        pids = with_descendants({p for p, i in table.items() if self.bystander_temp in i["cmdline"]}, table)
+        table = procfs.processes()
+        pids = procfs.descendants({p for p, i in table.items() if self.bystander_temp in i.command}, table)
         self.bystander_ids = identities(pids, table)
         log(f"bystander cluster at {self.bystander_address}: {len(pids)} processes")
 
@@ -364,19 +314,16 @@ class Launch:
         cmd = [self.venv("raymoe"), "serve", "--address", address, "--host", "127.0.0.1", "--port", str(self.serve_port)]
         log(" ".join(cmd))
         start = time.monotonic()
-        self.serve = subprocess.Popen(cmd, env=self.head_env(), stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                                      start_new_session=True)
-        deadline = start + self.args.ready_timeout
-        while "raymoe serve: ready at" not in log_path.read_text():
-            if self.serve.poll() is not None:
-                raise Failed(f"raymoe serve exited {self.serve.returncode}:\n{log_path.read_text()[-4000:]}")
-            if time.monotonic() > deadline:
-                raise Failed(f"raymoe serve not ready in {self.args.ready_timeout} s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
+        self.serve = ServeProcess(cmd, self.serve_port, log_path=str(log_path), env=self.head_env())
+        self.serve.start()
+        try:  # ready once it says so in its log
+            self.serve.wait_ready(self.args.ready_timeout, probe=None, ready_line=READY_LINE)
+        except RuntimeError as error:  # it exited, or was not ready in time
+            raise Failed(str(error)) from None
         self.timings["ready"] = time.monotonic() - start
-        listeners = listening_addresses(set(self.cluster_ids()) | {self.sshd.pid, self.serve.pid})
-        table = proc_table()
-        exposed = {a: table.get(p, {}).get("cmdline", "").strip()[:100] or str(p)
+        listeners = listening_addresses(set(self.cluster_ids()) | {self.sshd.pid, self.serve.process.pid})
+        table = procfs.processes()
+        exposed = {a: (table[p].command if p in table else "").strip()[:100] or str(p)
                    for a, p in listeners.items() if not loopback(a)}
         # Ray Serve 2.60 itself: every replica opens its inter-deployment gRPC server on "[::]:0"
         # (hardcoded in ray/serve/_private/replica.py); reported, and nothing else is allowed.
@@ -407,9 +354,9 @@ class Launch:
         if wrong.returncode == 0 or "authentication failed" not in wrong.stdout:
             raise Failed(f"raymoe status with a wrong token did not say 'authentication failed':\n{wrong.stdout}")
         log("wrong token: " + next(line for line in wrong.stdout.splitlines() if "authentication failed" in line)[:160])
-        self.serve.send_signal(signal.SIGTERM)
+        self.serve.process.send_signal(signal.SIGTERM)
         try:
-            code = self.serve.wait(timeout=120)
+            code = self.serve.process.wait(timeout=120)
         except subprocess.TimeoutExpired:
             raise Failed("raymoe serve did not exit within 120 s of SIGTERM") from None
         if code != 0:
@@ -418,9 +365,9 @@ class Launch:
     def cluster_ids(self) -> dict[int, int]:
         from raymoe.cluster.ray_up_node import cluster_processes
 
-        table = proc_table()
-        pids = set(cluster_processes(self.name)) | with_descendants(
-            {p for p, i in table.items() if self.ray_temp + "/" in i["cmdline"]}, table)
+        table = procfs.processes()
+        pids = set(cluster_processes(self.name)) | procfs.descendants(
+            {p for p, i in table.items() if self.ray_temp + "/" in i.command}, table)
         return identities(pids, table)
 
     def check_bystander(self) -> None:
@@ -469,8 +416,8 @@ class Launch:
         return {k: round(v, 1) for k, v in self.timings.items()}
 
     def cleanup(self) -> None:
-        if self.serve and self.serve.poll() is None:
-            terminate([self.serve.pid])
+        if self.serve and self.serve.process and self.serve.process.poll() is None:
+            terminate([self.serve.process.pid])
         try:
             from raymoe.cluster.ray_up_node import stop
 
@@ -481,17 +428,17 @@ class Launch:
         if left:
             terminate(list(left))
         if self.sshd:
-            table = proc_table()
-            sessions = with_descendants({self.sshd.pid}, table) - {self.sshd.pid}
+            table = procfs.processes()
+            sessions = procfs.descendants({self.sshd.pid}, table) - {self.sshd.pid}
             terminate([self.sshd.pid])
             terminate(sessions, grace_s=5)
             self.sshd.wait(timeout=10)
         # ssh clients of `ray up`/`ray down` (ControlPersist masters) and their relays
         terminate(processes_mentioning(str(self.work / "relay.py")), grace_s=5)
         if self.bystander_temp:
-            table = proc_table()
-            pids = with_descendants({p for p, i in table.items() if self.bystander_temp in i["cmdline"]}, table)
-            terminate([p for p in pids if table[p]["cmdline"].split(" ")[0].endswith("raylet")], grace_s=5)
+            table = procfs.processes()
+            pids = procfs.descendants({p for p, i in table.items() if self.bystander_temp in i.command}, table)
+            terminate([p for p in pids if table[p].command.split(" ")[0].endswith("raylet")], grace_s=5)
             terminate(pids, grace_s=5)
             shutil.rmtree(self.bystander_temp, ignore_errors=True)
         if not self.args.keep:

@@ -13,16 +13,10 @@ import ray
 
 from ep_helpers import GREEDY, cluster_config, prompts
 from raymoe.cluster.deploy import deploy
+from raymoe.cluster.procfs import memory_kib
 from test_recovery import TIMEOUT_S, run_with_fault
 
 PEAK_OVER_STEADY = 1.1
-
-
-def memory_kib(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (its peak) of process ``pid``, in KiB."""
-    with open(f"/proc/{pid}/status", encoding="ascii") as handle:
-        fields = dict(line.split(":", 1) for line in handle if line.startswith(("VmRSS", "VmHWM")))
-    return {name: int(value.split()[0]) for name, value in fields.items()}
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ import pytest
 
 from raymoe.cluster.cli import main
 from raymoe.cluster.loadgen import LengthDistribution, synthetic_workload
-from serve.server_process import free_port, served
+from raymoe.kernels.comm.ports import free_port
+from serve.server_process import served
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -66,7 +67,7 @@ def test_open_loop_from_a_jsonl_dataset(server, tmp_path, capsys):
 
 
 def test_unreachable_url_and_bad_lengths_are_reported(capsys):
-    assert main(["bench", "--url", f"http://127.0.0.1:{free_port()}", "--num-requests", "2"]) == 1
+    assert main(["bench", "--url", f"http://127.0.0.1:{free_port(below_ephemeral=True)}", "--num-requests", "2"]) == 1
     assert "cannot reach" in capsys.readouterr().err
     assert main(["bench", "--url", "http://127.0.0.1:1", "--output-len", "0"]) == 2
     assert "length '0'" in capsys.readouterr().err

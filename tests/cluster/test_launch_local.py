@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+from raymoe.cluster import procfs
+from raymoe.kernels.comm.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "cluster" / "ray-up" / "try-local.py"
@@ -38,35 +40,16 @@ def _missing() -> str | None:
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_missing() is not None, reason=_missing() or "")]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def process_table() -> dict[int, tuple[int, int, str]]:
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                table[int(entry)] = (int(fields[1]), int(fields[19]), cmdline)
-    return table
+def process_table() -> dict[int, procfs.Process]:
+    """Every process but the zombies."""
+    return {pid: process for pid, process in procfs.processes().items() if process.state != "Z"}
 
 
 def processes_of(temp_dir: str) -> dict[int, int]:
     """pid -> start time of the processes naming ``temp_dir``, and their descendants."""
     table = process_table()
-    found = {pid for pid, (_, _, cmdline) in table.items() if temp_dir in cmdline}
-    while True:
-        more = {pid for pid, (parent, _, _) in table.items() if parent in found} - found
-        if not more:
-            return {pid: table[pid][1] for pid in found}
-        found |= more
+    found = procfs.descendants({pid for pid, process in table.items() if temp_dir in process.command}, table)
+    return {pid: table[pid].start_time for pid in found}
 
 
 @pytest.fixture
@@ -85,7 +68,7 @@ def bystander():
     finally:
         processes = processes_of(temp)
         table = process_table()
-        raylets = [p for p in processes if table.get(p, (0, 0, ""))[2].split(" ")[0].endswith("raylet")]
+        raylets = [p for p in processes if p in table and table[p].command.split(" ")[0].endswith("raylet")]
         for group in (raylets, [p for p in processes if p not in raylets]):
             for pid in group:
                 try:
@@ -128,11 +111,11 @@ def test_ray_up_serve_status_ray_down_over_loopback_ssh(bystander):
     assert "ray down: every process of the cluster is gone" in done.stderr
     # nothing of the launch is left: no sshd of its own, no ssh relays, no cluster processes
     table = process_table()
-    leftovers = [c for _, _, c in table.values()
+    leftovers = [c for c in (process.command for process in table.values())
                  if any(mark in c for mark in ("/sshd_config", "/relay.py", "/tmp/ray-raymoe-try-")) and "raymoe-try-" in c]
     assert not leftovers, f"processes of the launch are still running: {leftovers}"
     # the separate cluster was not touched: every process alive, and it still runs tasks
-    alive = {pid for pid, start in before.items() if pid in table and table[pid][1] == start}
+    alive = {pid for pid, start in before.items() if pid in table and table[pid].start_time == start}
     assert alive == set(before), f"the separate Ray cluster lost {sorted(set(before) - alive)}"
     probe = ("import ray; from raymoe.cluster.ray_connect import connect; "
              f"connect({bystander['address']!r}, logging_level='ERROR', log_to_driver=False); "

@@ -21,6 +21,7 @@ import torch
 if __name__ == "__main__":  # the memory test's child process: tiny_models is in tests/
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from raymoe.cluster import procfs
 from raymoe.engine import prompt_logprobs as prompt_logprobs_module
 from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.prompt_logprobs import prompt_logprobs
@@ -266,14 +267,6 @@ def _child(model_dir: str, path: str, num_prompts: int) -> None:
     from raymoe.engine.api.completions import ModelLimits
     from raymoe.engine.api.run_batch import run_batch
 
-    def resident() -> int:
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def peak() -> int:
-        with open("/proc/self/status") as handle:
-            return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("VmHWM:"))
-
     torch.set_num_threads(1)
     engine = LLMEngine.from_pretrained(model_dir, EngineConfig(
         dtype="float32", enable_prefix_caching=False, kv_cache_bytes=16 << 20,
@@ -299,11 +292,10 @@ def _child(model_dir: str, path: str, num_prompts: int) -> None:
     limits = ModelLimits("tiny", MEMORY_VOCAB, engine.max_model_len)
     run_batch(items(2), Scores("bounded"), None, limits, show_progress=False)  # warm-up: code paths, allocator
     work = items(num_prompts)
-    before = resident()
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")  # the peak (VmHWM) starts again from the current resident memory
+    before = procfs.resident_bytes()
+    procfs.reset_peak_resident()  # the peak (VmHWM) starts again from the current resident memory
     (line,) = run_batch(work, Scores(path), None, limits, show_progress=False)
-    growth = peak() - before
+    growth = procfs.memory_kib("self", ("VmHWM",))["VmHWM"] * 1024 - before
     choices = line["response"]["body"]["choices"]
     assert len(choices) == num_prompts
     assert all(len(c["logprobs"]["token_logprobs"]) == MEMORY_LENGTH for c in choices)

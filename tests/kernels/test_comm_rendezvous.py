@@ -8,32 +8,18 @@ the group's secret, and cannot join.
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
 
+from raymoe.cluster.procfs import TCP_LISTEN, tcp_sockets
 from raymoe.kernels.comm import CommBackend, CommError, make_communicator, new_rendezvous
 from raymoe.kernels.comm.gloo import GlooCommunicator
 
 
 def listening_addresses(port: int) -> set[str]:
     """Every local address with a socket in LISTEN on ``port``, as the kernel reports it."""
-    found = set()
-    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
-        try:
-            lines = open(table).read().splitlines()[1:]
-        except FileNotFoundError:
-            continue
-        for line in lines:
-            local, state = line.split()[1], line.split()[3]
-            address, port_hex = local.split(":")
-            if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
-                if width == 8:
-                    found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
-                else:
-                    found.add(address)
-    return found
+    return {address for address, listening, _ in tcp_sockets(TCP_LISTEN) if listening == port}
 
 
 @pytest.mark.parametrize("backend", [CommBackend.GLOO, CommBackend.SOCKETS])

@@ -13,7 +13,7 @@ from ray import serve
 
 from raymoe.actors.ingress import build_app
 from raymoe.cluster.config import ConfigError
-from server_process import free_port
+from raymoe.kernels.comm.ports import free_port
 
 
 def complete(url: str, body: dict) -> dict:
@@ -24,7 +24,7 @@ def complete(url: str, body: dict) -> dict:
 
 
 def test_app_builder_serves_the_same_config(tiny_mixtral_dir):
-    port = free_port()
+    port = free_port(below_ephemeral=True)
     ray.init(address="local", num_cpus=2, include_dashboard=False)  # a Ray of our own, never a neighbour's
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -51,7 +51,7 @@ def test_serve_refuses_a_port_in_use_before_starting_anything(tmp_path, tiny_mix
     config = tmp_path / "cluster.yaml"
     config.write_text(f"model: {tiny_mixtral_dir}\ndevice: cpu\ndtype: float32\n")
     with socket.socket() as holder:
-        holder.bind(("127.0.0.1", free_port()))
+        holder.bind(("127.0.0.1", free_port(below_ephemeral=True)))
         holder.listen(1)
         port = holder.getsockname()[1]
         done = subprocess.run(

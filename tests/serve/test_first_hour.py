@@ -26,11 +26,13 @@ from pathlib import Path
 
 import pytest
 
-from server_process import ServerProcess, free_port
+from doc_examples import curl_body
+from raymoe.kernels.comm.ports import free_port
+from server_process import ServerProcess
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "configs" / "examples"
-# The README's curl body, as written.
-README_BODY = {"model": "demo-mixtral", "prompt": "Hello world", "max_tokens": 16, "temperature": 0}
+# The README's curl body, as written there.
+README_BODY = curl_body("README.md", "/v1/completions")
 # What a normal start or clean stop must not log: glog error lines ("[... E 123 123] ..."),
 # Python's ERROR records, tracebacks, deprecation warnings and failed tasks.
 NOISE = re.compile(r"\] E |\bE \d+ \d+\]|\bERROR\b|Traceback|[Dd]eprecat|\bfailed\b")
@@ -84,7 +86,7 @@ def test_cpu_2x3_example_writes_the_demo_and_answers_the_readme_request(cpu_2x3,
 
 
 def test_gpu_example_without_its_checkpoint_names_the_command_that_writes_one(tmp_path):
-    done = cli("serve", str(EXAMPLES / "1node-8gpu.yaml"), "--port", str(free_port()), timeout=120)
+    done = cli("serve", str(EXAMPLES / "1node-8gpu.yaml"), "--port", str(free_port(below_ephemeral=True)), timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "checkpoint /mnt/models/Mixtral-8x7B-Instruct-v0.1 does not exist" in done.stderr
     assert "raymoe demo-model /mnt/models/Mixtral-8x7B-Instruct-v0.1" in done.stderr
@@ -109,7 +111,7 @@ def test_status_prints_routers_and_workers_in_text(cpu_2x3):
 
 
 def test_status_without_a_cluster_says_how_to_start_one():
-    done = cli("status", "--address", f"127.0.0.1:{free_port()}", timeout=120)
+    done = cli("status", "--address", f"127.0.0.1:{free_port(below_ephemeral=True)}", timeout=120)
     assert done.returncode == 1
     assert "no Ray cluster at 127.0.0.1:" in done.stderr and "raymoe serve" in done.stderr, done.stderr
 

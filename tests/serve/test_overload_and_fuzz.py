@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_process import TCP_LISTEN, served, tcp_sockets
+from raymoe.cluster.procfs import TCP_LISTEN, tcp_sockets
+from server_process import served
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,10 @@ import time
 
 import pytest
 
-from server_process import TCP_LISTEN, TCP_TIME_WAIT, ServerProcess, free_port, tcp_sockets
+from raymoe.cluster import procfs
+from raymoe.cluster.procfs import TCP_LISTEN, TCP_TIME_WAIT, tcp_sockets
+from raymoe.kernels.comm.ports import free_port
+from server_process import ServerProcess
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp")
 
@@ -28,18 +31,8 @@ def is_loopback(address: str) -> bool:
 
 def session_processes(session: int) -> dict[int, str]:
     """pid -> its command's first word for every process in ``session``."""
-    found = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                stat = handle.read()
-            if int(stat[stat.rindex(")") + 2:].split()[3]) != session:
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                found[int(entry)] = handle.read().split(b"\0")[0].decode(errors="replace")
-        except (OSError, ValueError, IndexError):  # gone meanwhile
-            continue
-    return found
+    return {pid: process.cmdline.split(b"\0")[0].decode(errors="replace")
+            for pid, process in procfs.processes().items() if process.session == session}
 
 
 def listeners(session: int) -> list[tuple[str, str, int]]:
@@ -48,19 +41,19 @@ def listeners(session: int) -> list[tuple[str, str, int]]:
     found = []
     for pid, name in session_processes(session).items():
         try:
-            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        except OSError:
+            inodes = procfs.socket_inodes(pid)
+        except OSError:  # gone meanwhile
             continue
-        for link in links:
-            if link.startswith("socket:[") and int(link[8:-1]) in by_inode:
-                found.append((name, *by_inode[int(link[8:-1])]))
+        for inode in inodes:
+            if inode in by_inode:
+                found.append((name, *by_inode[inode]))
     return sorted(set(found))
 
 
 def test_every_listener_is_on_loopback_and_a_restart_right_after_a_stop_binds(tiny_mixtral_dir, tmp_path):
     config = tmp_path / "cluster.yaml"
     config.write_text(f"model: {tiny_mixtral_dir}\ndevice: cpu\ndtype: float32\nrouters: 1\nexpert_workers: 1\n")
-    port = free_port()
+    port = free_port(below_ephemeral=True)
     first = ServerProcess(str(config), str(tmp_path / "first.log"), port=port)
     try:
         first.wait_ready()
