@@ -1,39 +1,47 @@
 """One short GPU check of raymoe on one CUDA GPU: PASS/FAIL per check, a summary, a JSON file.
 
-Sized for one H200 lease: every check has its own time budget and the whole run stays under
-9 minutes (TOTAL_BUDGET_S). Each check runs in its own Python process (this script, with
-``--child``), so an exception, a crash or a hang in one (say, an NCCL call that never
-returns) is caught by its budget and hides none of the others.
+Sized for a first device: every check has its own time budget and the whole run stays under
+6 minutes (TOTAL_BUDGET_S, process starts included). Each check runs in its own Python
+process (this script, with ``--child``), so an exception, a crash or a hang in one (say, an
+NCCL call that never returns) is caught by its budget and hides none of the others.
 
-  a  versions: torch, its CUDA and NCCL, the GPU, cupy and cupy's NCCL (informational)
-  b  ``python -m pytest -q -p no:cacheprovider -m gpu tests/`` (its tail printed)
-  c  the engine's logits on CUDA vs CPU (tiny random Mixtral): float32 max |diff| < 1e-3,
-     bfloat16 argmax agreement and max |diff| printed
+  a  versions: torch, its CUDA and NCCL, the GPU, cupy, cupy's CUDA runtime and NCCL, and
+     whether the two CUDA majors pair (informational)
+  b  ``pytest -m gpu`` over the test files that hold gpu tests (its tail printed)
+  c  the engine on CUDA against the CPU engine (tiny random Mixtral): logits, float32 max
+     |diff| < 1e-3; greedy tokens, float32 equal to the CPU's; bfloat16's first token equal to
+     the CPU's wherever the CPU's top two logits are 0.1 or more apart
   d  grouped GEMM (``torch._grouped_mm``) vs the per-slot loop at expert-worker shapes,
      Mixtral 8x7B and DeepSeek-V3, bfloat16: outputs compared, both timed; on sm90+ the
      grouped path must run (its two calls counted), and a grouped GEMM error FAILs the check
   e  ``raymoe.engine.experts.combine_partials`` bitwise deterministic over 20 runs (bf16)
-  f  host syncs in one decode step of the engine on CUDA (informational)
-  g  a one-rank NCCL communicator: exchange, abort(), re-create, exchange again
-  h  one-rank NCCL ``exchange_payload`` latency for 1, 64 and 1024 rows of 7168 bf16
+  f  host syncs in one decode step of the engine on CUDA, in all and inside the MoE layers
+     (per layer), as CUDA's sync debug mode sees them (informational)
+  g  NCCL for real: ``NcclCommunicator.loopback`` sends to this rank and receives from it in
+     one group (groupStart / send / recv / groupEnd, each call counted), the bytes equal; a
+     real abort within its bound; an abort that never returns given up at its bound (a
+     stand-in handle, the hook recorded instead of ending the process); a new group works
+  h  NCCL loopback latency for 1, 64 and 1024 rows of 7168 bf16 (through NCCL, not a copy)
   i  paged attention, FlashInfer vs the generic per-sequence SDPA path (GQA prompts with chunks
      after cached context, a decode batch, a sliding window; MLA's latent): bf16 max |diff| < 2e-2,
      both timed; SKIP naming the reason when FlashInfer cannot run (not installed, say)
 
 Statuses: PASS, FAIL, SKIP (cannot run here: no CUDA, no cupy NCCL, API not yet present),
 INFO (measured, nothing to pass). The exit status is 1 when any check FAILed, else 0.
-Without CUDA every CUDA check is SKIPped at once (the script is quick on a CPU machine).
+Without CUDA nothing but ``a`` runs: the JSON says ``"skipped": true`` with the reason, and
+the exit status is 0 (the script takes seconds on a CPU machine).
 
 Run::
 
-    python benchmarks/gpu_check.py                 # all checks
+    python benchmarks/gpu_check.py --out $OUT/gpu_check.json   # all checks
     python benchmarks/gpu_check.py --only c,d      # some of them
     python benchmarks/gpu_check.py --cpu-smoke     # the CUDA checks' code on the CPU at small
-                                                   # shapes, gloo for NCCL: tests this script,
-                                                   # measures nothing about GPUs
+                                                   # shapes (g: only its stand-in abort): tests
+                                                   # this script, measures nothing about GPUs
 
-The JSON summary goes to ``$OUT/gpu_check.json`` when OUT is set, else
-``benchmarks/results/gpu_check.json`` (or ``--json PATH``).
+The JSON summary goes to ``--out PATH`` (or ``--json PATH``), else ``$OUT/gpu_check.json`` when
+OUT is set, else ``benchmarks/results/gpu_check.json``. benchmarks/gpu_check_2gpu.py is the
+two-GPU check (one router and one worker over NCCL, end to end).
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TOTAL_BUDGET_S = 510  # the whole run, all checks and their process starts: under 9 minutes
+TOTAL_BUDGET_S = 345  # the whole run, all checks and their process starts: under 6 minutes
 RESERVE_S = 5  # kept back for the summary and the JSON
 
 
@@ -67,17 +75,17 @@ class Check:
 
 
 CHECKS = [
-    Check("a", "versions", 40, needs_cuda=False),
-    Check("b", "pytest -m gpu", 180, needs_cuda=True),
-    Check("c", "engine logits CUDA vs CPU", 50, needs_cuda=True),
-    Check("d", "grouped GEMM vs per-slot loop", 60, needs_cuda=True),
-    Check("e", "bf16 combine bitwise determinism", 25, needs_cuda=True),
-    Check("f", "host syncs per decode step", 40, needs_cuda=True),
-    Check("g", "NCCL abort and re-create", 25, needs_cuda=True),
-    Check("h", "NCCL exchange latency", 30, needs_cuda=True),
-    Check("i", "attention: FlashInfer vs SDPA", 60, needs_cuda=True),
+    Check("a", "versions", 25, needs_cuda=False),
+    Check("b", "pytest -m gpu", 85, needs_cuda=True),
+    Check("c", "engine CUDA vs CPU: logits, tokens", 45, needs_cuda=True),
+    Check("d", "grouped GEMM vs per-slot loop", 40, needs_cuda=True),
+    Check("e", "bf16 combine bitwise determinism", 15, needs_cuda=True),
+    Check("f", "host syncs per decode step and MoE layer", 30, needs_cuda=True),
+    Check("g", "NCCL send/recv to self, bounded abort", 35, needs_cuda=True),
+    Check("h", "NCCL loopback latency", 20, needs_cuda=True),
+    Check("i", "attention: FlashInfer vs SDPA", 45, needs_cuda=True),
 ]
-assert sum(c.budget_s for c in CHECKS) <= TOTAL_BUDGET_S
+assert sum(c.budget_s for c in CHECKS) + RESERVE_S <= TOTAL_BUDGET_S <= 360
 
 
 def log(*parts) -> None:
@@ -244,6 +252,12 @@ def check_versions(smoke: bool, budget_s: float) -> dict:
             info["cupy_nccl"] = nccl_version_text(nccl.get_version())
         else:
             info["cupy_nccl"] = f"missing: {missing}"
+        if isinstance(info["cupy_cuda_runtime"], int):
+            from raymoe.kernels.comm.nccl import cuda_pairing_problem
+
+            problem = cuda_pairing_problem(torch.version.cuda, info["cupy_cuda_runtime"], cupy.__version__)
+            info["cuda_pairing"] = "ok" if problem is None else problem
+            log(f"torch/cupy CUDA pairing: {info['cuda_pairing']}")
     except Exception as error:
         info["cupy"] = f"missing ({type(error).__name__}: {error})"
         info["cupy_nccl"] = "missing (no cupy)"
@@ -253,14 +267,15 @@ def check_versions(smoke: bool, budget_s: float) -> dict:
     else:
         log(f"cupy: {info['cupy']}")
         parts.append("cupy missing")
-    for name in ("transformers", "safetensors", "tokenizers", "ray", "msgspec"):
-        try:
-            module = __import__(name)
-            info[name] = getattr(module, "__version__", "?")
-        except Exception:
+    from importlib import metadata
+
+    for name in ("transformers", "safetensors", "tokenizers", "ray", "msgspec", "flashinfer-python"):
+        try:  # the installed version, without importing the package (seconds each)
+            info[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
             info[name] = "missing"
     log("packages: " + ", ".join(f"{n} {info[n]}" for n in ("transformers", "safetensors", "tokenizers", "ray",
-                                                           "msgspec")))
+                                                           "msgspec", "flashinfer-python")))
     return result("INFO", ", ".join(parts), **info)
 
 
@@ -287,7 +302,8 @@ def parse_pytest(output: str) -> dict:
 
 def check_pytest(smoke: bool, budget_s: float) -> dict:
     mode = ensure_raymoe_importable()
-    targets = ["tests/kernels/test_expert_mlp.py"] if smoke else ["tests/"]
+    # Only the files that hold gpu tests: collecting the whole suite would spend the budget.
+    targets = ["tests/kernels/test_expert_mlp.py"] if smoke else gpu_test_files()
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *targets,
                "-rfEs", "--continue-on-collection-errors"]
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1"}
@@ -336,6 +352,16 @@ def check_pytest(smoke: bool, budget_s: float) -> dict:
     return result("PASS", summary + (" (collection errors outside gpu tests, see notes)" if notes else ""), **details)
 
 
+def gpu_test_files() -> list[str]:
+    """The test files that hold `gpu` or `nccl` tests, relative to the repository."""
+    found = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        text = path.read_text(errors="replace")
+        if "mark.gpu" in text or "mark.nccl" in text:
+            found.append(str(path.relative_to(REPO)))
+    return found or ["tests/"]
+
+
 def run_process(command: list[str], env: dict, timeout_s: float, cwd: Path = REPO) -> tuple[str, int | None]:
     """(stdout+stderr, exit status); None for the status when it ran out of time (its process
     group is killed, grandchildren included)."""
@@ -353,26 +379,52 @@ def run_process(command: list[str], env: dict, timeout_s: float, cwd: Path = REP
         return output or "", None
 
 
-# ---- c: engine logits CUDA vs CPU ----------------------------------------------------------
+# ---- c: the engine on CUDA against the CPU engine: logits and tokens ------------------------
+TOKENS_PER_PROMPT = 8
+FIRST_TOKEN_MARGIN = 0.1  # CPU fp32 logits: top two this far apart must give bf16's same first token
+
+
 def check_engine_logits(smoke: bool, budget_s: float) -> dict:
     import torch
 
     ensure_raymoe_importable()
     from raymoe.engine.engine import EngineConfig, LLMEngine
+    from raymoe.engine.sampling_params import SamplingParams
 
     device = "cpu" if smoke else "cuda"
     prompts = tiny_prompts()
+    params = SamplingParams(max_tokens=TOKENS_PER_PROMPT, temperature=0.0, ignore_eos=True)
+    runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = tiny_mixtral(tmp)
 
-        def score(dtype: str, on: str) -> torch.Tensor:
+        def run(dtype: str, on: str) -> tuple[list, list[list[int]]]:
             engine = LLMEngine.from_pretrained(path, EngineConfig(dtype=dtype, device=on))
-            return torch.cat(engine.score(prompts))  # [tokens, V] float32 on the CPU
+            logits = engine.score(prompts)  # per prompt [L, V] float32 on the CPU
+            tokens = [output.output_token_ids for output in engine.generate(prompts, params)]
+            return logits, tokens
 
-        cpu32 = score("float32", "cpu")
-        cuda32 = score("float32", device)
-        cuda16 = score("bfloat16", device)
-        cpu16 = score("bfloat16", "cpu")
+        for key, dtype, on in [("cpu32", "float32", "cpu"), ("cuda32", "float32", device),
+                               ("cuda16", "bfloat16", device), ("cpu16", "bfloat16", "cpu")]:
+            runs[key] = run(dtype, on)
+    (cpu32_rows, cpu_tokens), (cuda32_rows, cuda32_tokens) = runs["cpu32"], runs["cuda32"]
+    cuda16_tokens = runs["cuda16"][1]
+    cpu32, cuda32 = torch.cat(cpu32_rows), torch.cat(cuda32_rows)
+    cuda16, cpu16 = torch.cat(runs["cuda16"][0]), torch.cat(runs["cpu16"][0])
+    # bf16 rounds: its first token must match the CPU's wherever the CPU's choice is clear.
+    clear, first_agree = 0, 0
+    for rows, expected, got in zip(cpu32_rows, cpu_tokens, cuda16_tokens):
+        top2 = rows[-1].topk(2).values
+        if float(top2[0] - top2[1]) >= FIRST_TOKEN_MARGIN:
+            clear += 1
+            first_agree += int(got[:1] == expected[:1])
+    tokens32_equal = cuda32_tokens == cpu_tokens
+    bf16_matching = sum(next((i for i, (a, b) in enumerate(zip(got, exp)) if a != b), len(exp))
+                        for got, exp in zip(cuda16_tokens, cpu_tokens))
+    log(f"greedy tokens ({TOKENS_PER_PROMPT} per prompt): {device} float32 "
+        f"{'equal to' if tokens32_equal else 'DIFFER from'} the CPU's; {device} bfloat16 first token equal on "
+        f"{first_agree}/{clear} prompts with a clear CPU choice, {bf16_matching}/{len(prompts) * TOKENS_PER_PROMPT} "
+        f"tokens before the first difference")
     diff32 = (cuda32 - cpu32).abs().max().item()
     diff16 = (cuda16 - cpu32).abs().max().item()
     agree16 = (cuda16.argmax(-1) == cpu32.argmax(-1)).float().mean().item()
@@ -384,12 +436,18 @@ def check_engine_logits(smoke: bool, budget_s: float) -> dict:
     log(f"(baseline) cpu bfloat16 vs cpu float32: max |diff| {cpu_diff16:.3f}, argmax agreement {cpu_agree16:.1%}")
     details = dict(positions=cpu32.shape[0], float32_max_diff=diff32, bfloat16_max_diff=diff16,
                    bfloat16_argmax_agreement=agree16, cpu_bfloat16_max_diff=cpu_diff16,
-                   cpu_bfloat16_argmax_agreement=cpu_agree16)
-    summary = f"fp32 max|diff| {diff32:.1e}; bf16 max|diff| {diff16:.3f}, argmax agree {agree16:.0%}"
+                   cpu_bfloat16_argmax_agreement=cpu_agree16, cpu_tokens=cpu_tokens, float32_tokens=cuda32_tokens,
+                   bfloat16_tokens=cuda16_tokens, float32_tokens_equal=tokens32_equal,
+                   bfloat16_first_token_agreement=[first_agree, clear],
+                   bfloat16_tokens_before_first_difference=bf16_matching)
+    summary = (f"fp32 max|diff| {diff32:.1e}, tokens {'equal' if tokens32_equal else 'DIFFER'}; bf16 max|diff| "
+               f"{diff16:.3f}, argmax agree {agree16:.0%}, first token {first_agree}/{clear}")
     if not torch.isfinite(cuda32).all() or not torch.isfinite(cuda16).all():
         return result("FAIL", "non-finite logits on " + device + "; " + summary, **details)
     if diff32 >= 1e-3:
         return result("FAIL", summary + " (fp32 limit 1e-3)", **details)
+    if not tokens32_equal or first_agree < clear:
+        return result("FAIL", summary, **details)
     return result("PASS", summary, **details)
 
 
@@ -562,7 +620,7 @@ def check_combine_determinism(smoke: bool, budget_s: float) -> dict:
     return result("PASS", f"{runs} runs bitwise equal, rel diff vs fp64 {rel:.1e}{contrast}", **details)
 
 
-# ---- f: host syncs per decode step ---------------------------------------------------------
+# ---- f: host syncs per decode step and per MoE layer ---------------------------------------
 def check_host_syncs(smoke: bool, budget_s: float) -> dict:
     import torch
 
@@ -576,10 +634,30 @@ def check_host_syncs(smoke: bool, budget_s: float) -> dict:
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(tiny_prompts() + [list(range(5, 17))]):
         engine.add_request(f"r{i}", prompt, params)
+    num_moe_layers = len(engine.model.config.moe_layers)
+    experts = engine.model.experts
+    original_forward = experts.forward
+    state = {"caught": None, "in_layers": 0}
 
-    def counted_step() -> tuple[int, int, dict]:
+    def is_sync(w) -> bool:
+        return "synchroniz" in str(w.message).lower()
+
+    def counted_forward(*args, **kwargs):  # the syncs one MoE layer's experts cause
+        caught = state["caught"]
+        before = sum(map(is_sync, caught)) if caught is not None else 0
+        try:
+            return original_forward(*args, **kwargs)
+        finally:
+            if caught is not None:
+                state["in_layers"] += sum(map(is_sync, caught)) - before
+
+    experts.forward = counted_forward
+
+    def counted_step() -> tuple[int, int, int, dict]:
+        state["in_layers"] = 0
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            state["caught"] = caught
             if not smoke:
                 torch.cuda.set_sync_debug_mode("warn")
             try:
@@ -587,37 +665,46 @@ def check_host_syncs(smoke: bool, budget_s: float) -> dict:
             finally:
                 if not smoke:
                     torch.cuda.set_sync_debug_mode("default")
-        syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+                state["caught"] = None
+        syncs = [w for w in caught if is_sync(w)]
         places: dict[str, int] = {}
         for w in syncs:
             where = f"{Path(w.filename).name}:{w.lineno}"
             places[where] = places.get(where, 0) + 1
-        return len(outputs), len(syncs), places
+        return len(outputs), len(syncs), state["in_layers"], places
 
-    prefill_seqs, prefill_syncs, prefill_places = counted_step()
+    prefill_seqs, prefill_syncs, prefill_in_layers, prefill_places = counted_step()
     engine.step()  # a first decode step, outside the count (lazy initialisation)
-    decode_seqs, decode_syncs, decode_places = counted_step()
+    decode_seqs, decode_syncs, decode_in_layers, decode_places = counted_step()
+    per_layer = decode_in_layers / max(num_moe_layers, 1)
     top = sorted(decode_places.items(), key=lambda kv: -kv[1])[:10]
-    log(f"prefill step ({prefill_seqs} sequences): {prefill_syncs} synchronizing CUDA calls")
-    log(f"decode step ({decode_seqs} running sequences): {decode_syncs} synchronizing CUDA calls")
+    log(f"prefill step ({prefill_seqs} sequences): {prefill_syncs} synchronizing CUDA calls, "
+        f"{prefill_in_layers} in the {num_moe_layers} MoE layers")
+    log(f"decode step ({decode_seqs} running sequences): {decode_syncs} synchronizing CUDA calls, "
+        f"{decode_in_layers} in the {num_moe_layers} MoE layers ({per_layer:.1f} per layer, in-process experts)")
     for where, count in top:
         log(f"  {count:4d}  {where}")
     if smoke:
         log("(cpu smoke: set_sync_debug_mode needs CUDA, so nothing is counted)")
-    return result("INFO", f"{decode_syncs} host syncs in one decode step of {decode_seqs} sequences "
-                          f"(prefill: {prefill_syncs})", decode_sequences=decode_seqs, decode_syncs=decode_syncs,
-                  decode_sync_places=dict(top), prefill_sequences=prefill_seqs, prefill_syncs=prefill_syncs)
+    return result("INFO", f"{decode_syncs} host syncs in one decode step of {decode_seqs} sequences, "
+                          f"{per_layer:.1f} per MoE layer (prefill: {prefill_syncs})",
+                  decode_sequences=decode_seqs, decode_syncs=decode_syncs, decode_syncs_in_moe_layers=decode_in_layers,
+                  moe_layers=num_moe_layers, decode_syncs_per_moe_layer=per_layer, decode_sync_places=dict(top),
+                  prefill_sequences=prefill_seqs, prefill_syncs=prefill_syncs,
+                  prefill_syncs_in_moe_layers=prefill_in_layers)
 
 
-# ---- g, h: one-rank NCCL communicator ------------------------------------------------------
-def one_rank_communicator(smoke: bool):
+# ---- g, h: NCCL for real, one rank sending to itself ---------------------------------------
+ABORT_TEST_BOUND_S = 0.5  # the stand-in abort's bound: the check waits this long, not ABORT_BOUND_S
+
+
+def one_rank_nccl():
     import torch
 
     from raymoe.kernels.comm import CommBackend, make_communicator, new_rendezvous
 
-    backend = CommBackend.GLOO if smoke else CommBackend.NCCL
-    device = None if smoke else torch.device("cuda", 0)
-    return make_communicator(backend, new_rendezvous(backend), rank=0, world_size=1, timeout_s=10, device=device)
+    return make_communicator(CommBackend.NCCL, new_rendezvous(CommBackend.NCCL), rank=0, world_size=1,
+                             timeout_s=10, device=torch.device("cuda", 0))
 
 
 def nccl_skip(smoke: bool) -> dict | None:
@@ -627,6 +714,62 @@ def nccl_skip(smoke: bool) -> dict | None:
     return None if missing is None else result("SKIP", f"cupy with NCCL missing: {missing}")
 
 
+class CountingHandle:
+    """Forwards to cupy's NcclCommunicator, counting send and recv: proof of the NCCL path."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.calls: list[str] = []
+
+    def send(self, *args):
+        self.calls.append("send")
+        return self.handle.send(*args)
+
+    def recv(self, *args):
+        self.calls.append("recv")
+        return self.handle.recv(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+
+def stand_in_abort_is_bounded() -> tuple[bool, float, str]:
+    """An abort that never returns (a stand-in NCCL handle) must be given up at its bound, with
+    the hook called; the hook is recorded here instead of ending this process."""
+    import threading
+
+    import torch
+
+    from raymoe.kernels.comm import nccl as nccl_module
+
+    release = threading.Event()
+
+    class Stuck:
+        def abort(self):
+            release.wait()
+
+        def destroy(self):
+            pass
+
+    hung, original = [], nccl_module.on_abort_hung
+    nccl_module.on_abort_hung = hung.append
+    try:
+        comm = nccl_module.NcclCommunicator(rank=0, world_size=2, timeout_s=5.0, device=torch.device("cuda", 0),
+                                            nccl_comm=Stuck(), stream=None)
+        comm.abort_bound_s = ABORT_TEST_BOUND_S
+        started = time.perf_counter()
+        comm.abort()
+        elapsed = time.perf_counter() - started
+        lock_free = comm._issue_lock.acquire(timeout=1.0)
+        if lock_free:
+            comm._issue_lock.release()
+    finally:
+        nccl_module.on_abort_hung = original
+        release.set()
+    ok = len(hung) == 1 and lock_free and elapsed < ABORT_TEST_BOUND_S + 2.0
+    return ok, elapsed, str(hung[0]) if hung else "the hook was not called"
+
+
 def check_comm_abort(smoke: bool, budget_s: float) -> dict:
     import torch
 
@@ -634,91 +777,120 @@ def check_comm_abort(smoke: bool, budget_s: float) -> dict:
     skip = nccl_skip(smoke)
     if skip:
         return skip
+    steps, timings, problems = [], {}, []
+    bounded, stand_in_s, hung_message = stand_in_abort_is_bounded()
+    timings["stand_in_abort_s"] = stand_in_s
+    steps.append(f"an abort that never returns: given up after {stand_in_s * 1e3:.0f} ms "
+                 f"(bound {ABORT_TEST_BOUND_S * 1e3:.0f} ms), issue lock free: {hung_message[:120]}")
+    if not bounded:
+        problems.append("the stand-in abort was not given up at its bound")
+    if smoke:  # no NCCL on the CPU: the bound is all this check can run
+        for step in steps:
+            log(step)
+        details = dict(steps=steps, **timings)
+        return result("PASS" if bounded else "FAIL", "; ".join(problems) or "stand-in abort bounded (cpu smoke)",
+                      **details)
+    from cupy.cuda import nccl
+
     from raymoe.kernels.comm import CommClosedError
 
-    device = device_for(smoke)
-    rows, hidden = 37, 7168
-    steps, timings = [], {}
-
-    def timed(label, fn):
-        started = time.perf_counter()
-        value = fn()
-        timings[label] = time.perf_counter() - started
-        return value
-
-    comm = timed("create_s", lambda: one_rank_communicator(smoke))
-    send = torch.randn(rows, hidden, device=device).to(torch.bfloat16)
-    received = timed("exchange_s", lambda: comm.exchange_payload(send, [rows], [rows], tag="x"))
-    first_ok = torch.equal(received, send)
-    steps.append(f"first exchange round trip {'equal' if first_ok else 'DIFFERS'}")
-    timed("abort_s", comm.abort)
+    group_calls = []
+    originals = {name: getattr(nccl, name) for name in ("groupStart", "groupEnd")}
+    for name, original in originals.items():
+        setattr(nccl, name, lambda _original=original, _name=name: (group_calls.append(_name), _original())[1])
     try:
-        comm.exchange_payload(send, [rows], [rows], tag="after abort")
-        after_abort = "no error"
-    except CommClosedError:
-        after_abort = "CommClosedError"
-    except Exception as error:
-        after_abort = f"{type(error).__name__}: {error}"
-    steps.append(f"exchange after abort: {after_abort}")
-    comm2 = timed("recreate_s", lambda: one_rank_communicator(smoke))
-    send2 = torch.randn(rows, hidden, device=device).to(torch.bfloat16)
-    received2 = timed("exchange2_s", lambda: comm2.exchange_payload(send2, [rows], [rows], tag="x"))
-    second_ok = torch.equal(received2, send2)
-    steps.append(f"exchange on the new communicator {'equal' if second_ok else 'DIFFERS'}")
-    comm2.close()
+        rows, hidden = 37, 7168
+
+        def timed(label, fn):
+            started = time.perf_counter()
+            value = fn()
+            timings[label] = time.perf_counter() - started
+            return value
+
+        comm = timed("create_s", one_rank_nccl)
+        comm._nccl_comm = handle = CountingHandle(comm._nccl_comm)
+        group_calls.clear()  # the factory's warm-up barrier is a local copy; count from here
+        send = torch.randn(rows, hidden, device="cuda:0").to(torch.bfloat16)
+        received = torch.full_like(send, -7)  # poisoned: every element must be written
+        timed("loopback_s", lambda: comm.loopback(send, received, tag="loopback"))
+        through_nccl = handle.calls == ["send", "recv"] and group_calls == ["groupStart", "groupEnd"]
+        equal = torch.equal(received, send)
+        steps.append(f"loopback: {handle.calls} inside {group_calls}, bytes {'equal' if equal else 'DIFFER'}")
+        if not (through_nccl and equal):
+            problems.append("the loopback did not go through one NCCL group of send and recv, or its bytes differ")
+        timed("abort_s", comm.abort)
+        steps.append(f"real abort: {timings['abort_s'] * 1e3:.1f} ms (bound {comm.abort_bound_s:.0f} s), "
+                     f"hung aborts {comm.aborts_hung}")
+        if comm.aborts_hung or timings["abort_s"] >= comm.abort_bound_s:
+            problems.append("the real abort reached its bound")
+        try:
+            comm.loopback(send, received, tag="after abort")
+            after_abort = "no error"
+        except CommClosedError:
+            after_abort = "CommClosedError"
+        except Exception as error:
+            after_abort = f"{type(error).__name__}: {error}"
+        steps.append(f"loopback after abort: {after_abort}")
+        if after_abort != "CommClosedError":
+            problems.append(f"a loopback after abort gave {after_abort}")
+        comm2 = timed("recreate_s", one_rank_nccl)
+        send2 = torch.randn(rows, hidden, device="cuda:0").to(torch.bfloat16)
+        received2 = torch.empty_like(send2)
+        timed("loopback2_s", lambda: comm2.loopback(send2, received2, tag="new group"))
+        second_ok = torch.equal(received2, send2)
+        steps.append(f"loopback on a new group: {'equal' if second_ok else 'DIFFERS'}")
+        if not second_ok:
+            problems.append("the new group's loopback differs")
+        comm2.close()
+    finally:
+        for name, original in originals.items():
+            setattr(nccl, name, original)
     for step in steps:
         log(step)
     log("timings: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timings.items()))
-    details = dict(steps=steps, after_abort=after_abort, **timings)
-    if first_ok and second_ok and after_abort == "CommClosedError":
-        return result("PASS", f"exchange, abort ({timings['abort_s'] * 1e3:.0f} ms), re-create "
-                              f"({timings['recreate_s'] * 1e3:.0f} ms), exchange: all equal", **details)
-    return result("FAIL", "; ".join(steps), **details)
+    details = dict(steps=steps, group_calls=group_calls, **timings)
+    if problems:
+        return result("FAIL", "; ".join(problems), **details)
+    return result("PASS", f"send/recv to self through one NCCL group, equal; abort {timings['abort_s'] * 1e3:.0f} ms; "
+                          f"a stuck abort given up at {stand_in_s * 1e3:.0f} ms; new group equal", **details)
 
 
 def check_comm_latency(smoke: bool, budget_s: float) -> dict:
     import torch
 
     ensure_raymoe_importable()
+    if smoke:
+        return result("SKIP", "NCCL only (loopback needs a GPU)")
     skip = nccl_skip(smoke)
     if skip:
         return skip
-    device = device_for(smoke)
     hidden, iters = 7168, 50
-    comm = one_rank_communicator(smoke)
+    comm = one_rank_nccl()
     medians, problems = {}, []
     try:
-        counts = torch.tensor([1])
-        count_times = []
-        for i in range(iters + 5):
-            started = time.perf_counter()
-            comm.exchange_counts(counts, tag="counts")
-            if i >= 5:
-                count_times.append(time.perf_counter() - started)
-        medians["counts"] = statistics.median(count_times) * 1e6
-        log(f"exchange_counts: median {medians['counts']:.0f} us")
         for rows in (1, 64, 1024):
-            send = torch.randn(rows, hidden, device=device).to(torch.bfloat16)
-            if not torch.equal(comm.exchange_payload(send, [rows], [rows], tag="check"), send):
+            send = torch.randn(rows, hidden, device="cuda:0").to(torch.bfloat16)
+            received = torch.empty_like(send)
+            comm.loopback(send, received, tag="check")
+            if not torch.equal(received, send):
                 problems.append(f"{rows} rows: round trip differs")
             times = []
-            for i in range(iters + 5):  # exchange_payload returns once the transfer is complete
+            for i in range(iters + 5):  # loopback returns once the group is complete
                 started = time.perf_counter()
-                comm.exchange_payload(send, [rows], [rows], tag=f"latency {rows}")
+                comm.loopback(send, received, tag=f"latency {rows}")
                 if i >= 5:
                     times.append(time.perf_counter() - started)
             medians[rows] = statistics.median(times) * 1e6
             megabytes = rows * hidden * 2 / 1e6
-            log(f"exchange_payload {rows:5d} rows ({megabytes:.2f} MB): median {medians[rows]:.0f} us, "
-                f"p90 {sorted(times)[int(0.9 * len(times))] * 1e6:.0f} us, "
-                f"{megabytes / medians[rows]:.2f} GB/s")
+            log(f"loopback {rows:5d} rows ({megabytes:.2f} MB): median {medians[rows]:.0f} us, "
+                f"p90 {sorted(times)[int(0.9 * len(times))] * 1e6:.0f} us, {megabytes / medians[rows]:.2f} GB/s")
     finally:
         comm.close()
     details = {"median_us": {str(k): v for k, v in medians.items()}, "iters": iters, "hidden": hidden}
-    summary = ", ".join(f"{k} rows {v:.0f} us" for k, v in medians.items() if k != "counts")
+    summary = ", ".join(f"{k} rows {v:.0f} us" for k, v in medians.items())
     if problems:
         return result("FAIL", "; ".join(problems), **details)
-    return result("PASS", f"median {summary} (counts {medians['counts']:.0f} us)", **details)
+    return result("PASS", f"NCCL loopback median {summary}", **details)
 
 
 # ---- i: attention, FlashInfer vs the generic SDPA path ---------------------------------------
@@ -846,7 +1018,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="comma-separated check letters (default: all)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="run the CUDA checks' code on the CPU at small shapes (tests this script)")
-    parser.add_argument("--json", help="where to write the JSON summary")
+    parser.add_argument("--out", "--json", dest="out", help="where to write the JSON summary")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=float, default=60.0, help=argparse.SUPPRESS)
@@ -856,6 +1028,8 @@ def main(argv: list[str] | None = None) -> int:
 
     selected = [c for c in CHECKS if not args.only or c.key in args.only.replace(" ", "").split(",")]
     has_cuda, no_cuda_reason = cuda_state()
+    if not has_cuda and not args.cpu_smoke:
+        log(f"no GPU here: {no_cuda_reason}; every CUDA check is skipped")
     started = time.perf_counter()
     deadline = started + TOTAL_BUDGET_S
     log(f"raymoe gpu_check: {len(selected)} checks, budget {TOTAL_BUDGET_S} s in all"
@@ -888,11 +1062,14 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{verdict}; " + ", ".join(f"{sum(r['status'] == s for r in records)} {s}" for s in
                                    ("PASS", "FAIL", "SKIP", "INFO")) + f"; {total:.1f} s")
 
-    out_path = Path(args.json) if args.json else (
+    out_path = Path(args.out) if args.out else (
         Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT")
         else REPO / "benchmarks" / "results" / "gpu_check.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    summary = {"cpu_smoke": args.cpu_smoke, "has_cuda": has_cuda, "seconds": round(total, 2),
+    skipped = not has_cuda and not args.cpu_smoke
+    summary = {"cpu_smoke": args.cpu_smoke, "has_cuda": has_cuda,
+               "skipped": skipped, "reason": f"no GPU here: {no_cuda_reason}" if skipped else None,
+               "seconds": round(total, 2), "budget_s": TOTAL_BUDGET_S,
                "exit_status": 1 if failed else 0, "checks": records}
     out_path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
     log(f"JSON summary: {out_path}")
