@@ -63,7 +63,7 @@ NCCL_UNIQUE_ID_BYTES = 128
 # healthy or a timed-out group returns in milliseconds to a second or two (it tears down the
 # proxy thread and the connections); one that takes longer is stuck in the driver or behind
 # a kernel that never ends, and nothing this process can do on that GPU will be trusted.
-# Under the controller's 60 s call timeout (actors/controller.py CALL_TIMEOUT_S): a router's
+# Under the controller's 60 s call timeout (CALL_TIMEOUT_S, actors/recovery.py): a router's
 # abort_comm or a worker's reset_comms whose abort hangs ends its process before the
 # controller gives up on the call, so recovery finds a dead actor, not a frozen one.
 ABORT_BOUND_S = 20.0
