@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny checkpoints written once per session; skips for `gpu` tests."""
+"""Shared fixtures: tiny checkpoints written once per session; skips for `gpu` tests; the
+`fast` marker for the tests tests/fast_tier.py names; the heaviest modules scheduled first."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import functools
 import os
 
 import pytest
+
+from fast_tier import FAST_TIER, UNMATCHED, in_fast_tier
 
 # Ray listeners on loopback only, for every test that starts Ray (must precede ray.init).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -72,8 +75,52 @@ def _short(error: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# ---- the fast tier ----------------------------------------------------------------------
+# `python -m pytest -m fast` runs the tests tests/fast_tier.py names (FAST_TIER); the marks go
+# on here, before `-m` deselects. tests/test_fast_tier.py checks that every entry names a test.
+
+# ---- the order modules start in -------------------------------------------------------
+# With pytest-xdist (`-n 2 --dist loadfile`, the README's command) each module runs whole on
+# one worker, in the order collected: the long ones go first, so that the end of the run is
+# many short modules shared by both workers rather than one long one on a single worker.
+# Measured on the 2-core machine (minutes, each module alone); the others keep their order.
+HEAVY_FIRST = [
+    "tests/actors/test_recovery.py",
+    "tests/actors/test_migration_faults.py",
+    "tests/actors/test_expert_parallel.py",
+    "tests/actors/test_multinode.py",
+    "tests/actors/test_recovery_retries.py",
+    "tests/actors/test_controller.py",
+    "tests/actors/test_recovery_memory.py",
+]
+
+
+def module_rank(nodeid: str) -> int:
+    path = nodeid.split("::", 1)[0]
+    return HEAVY_FIRST.index(path) if path in HEAVY_FIRST else len(HEAVY_FIRST)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the fast tier's marks must be on by then
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    entries = FAST_TIER
     for item in items:
         reason = gpu_skip_reason(item)
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
+        if in_fast_tier(item.nodeid, entries):
+            item.add_marker(pytest.mark.fast)
+    # fast-tier lines that match none of the tests collected from their file (a renamed test
+    # or parameter): tests/test_fast_tier.py fails on them
+    collected = {item.nodeid.split("::", 1)[0] for item in items}
+    config.stash[UNMATCHED] = [
+        e for e in entries if e.split("::", 1)[0] in collected and not any(in_fast_tier(i.nodeid, [e]) for i in items)]
+
+
+class HeavyFirst:
+    @pytest.hookimpl(trylast=True)  # after pytest's own reordering (module-scoped parameters)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        items.sort(key=lambda item: module_rank(item.nodeid))  # stable: a module's tests stay in order
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(HeavyFirst(), "raymoe-heavy-first")
