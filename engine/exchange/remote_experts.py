@@ -113,7 +113,7 @@ class RemoteExperts:
         row_format = self._row_format
         if row_format is None or row_format.hidden_size != hidden.shape[1] or row_format.top_k != topk_ids.shape[1]:
             row_format = self._row_format = RowFormat(hidden.shape[1], topk_ids.shape[1], hidden.dtype)
-        _, row_slots, row_weights = row_format.unpack(packed)
+        row_slots, row_weights = row_format.positions(packed)
         return ExchangePlan(topk_ids.shape[0], placement.num_workers, slot, send_counts, slot_counts, row_token,
                             row_slots, row_weights, packed)
 

@@ -103,9 +103,13 @@ class RowFormat:
 
     def unpack(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[N, row_bytes]`` -> views of its activations ``[N, D]``, slots and weights ``[N, k]``."""
-        activations, slots_end = self.activation_bytes, self.activation_bytes + SLOT_BYTES * self.top_k
-        return (packed[:, :activations].view(self.dtype), packed[:, activations:slots_end].view(SLOT_DTYPE),
-                packed[:, slots_end:].view(WEIGHT_DTYPE))
+        return (packed[:, :self.activation_bytes].view(self.dtype), *self.positions(packed))
+
+    def positions(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[N, row_bytes]`` -> views of its slots and weights ``[N, k]`` (the activations left alone)."""
+        activations = self.activation_bytes
+        slots_end = activations + SLOT_BYTES * self.top_k
+        return packed[:, activations:slots_end].view(SLOT_DTYPE), packed[:, slots_end:].view(WEIGHT_DTYPE)
 
 
 # ---- the dispatch header and the combine trailer ------------------------------------------
