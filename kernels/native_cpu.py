@@ -2,8 +2,10 @@
 The library is built and loaded by kernels/native_library.py; the exchange's native layer calls
 (kernels/csrc/cpu_exchange.c) have their own ctypes face, kernels/native_exchange.py.
 
-Legend: R stacked experts, D hidden, I expert intermediate, N/K a dense layer's out/in sizes,
-B decoding sequences, H/Hkv query/kv heads, Dk/Dv key/value sizes.
+Legend (docs/ARCHITECTURE.md's letters): Sp stacked experts (a stack's rows: a worker's pool, or a
+layer's experts), D hidden, I expert intermediate, No/Ni a dense layer's out/in sizes, B decoding
+sequences, H/Hkv query/kv heads, Dk/Dv key/value sizes, T tokens, k experts per token, W workers,
+S slots per worker, N rows of an exchange message.
 
 Why: at decode sizes every matmul here is a few rows, and torch's CPU kernels pay a fixed cost
 per call and run those shapes far below the core: on the 2-vCPU EPYC of docs/BENCHMARKS.md a
@@ -70,7 +72,7 @@ def _takes(*tensors: torch.Tensor) -> bool:
 
 # ---- experts -------------------------------------------------------------------------------
 def experts_apply(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether :func:`swiglu_jobs` takes these rows and stacks (``[R, 2I, D]``, ``[R, D, I]``):
+    """Whether :func:`swiglu_jobs` takes these rows and stacks (``[Sp, 2I, D]``, ``[Sp, D, I]``):
     float32 on the CPU, D a multiple of 32 and I of 16, and packed weights not turned off
     (kernels/weight_cache.py: ``cpu.packed_experts``)."""
     if not (_takes(x, w13, w2) and x.numel() > 0 and weight_cache.enabled()):
@@ -177,8 +179,8 @@ def prepare_experts(w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 def packed_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Both stacks in the kernel's layouts, made once per stack version (kernels/weight_cache.py):
-    w13 ``[R, I/16, D, 2, 16]`` (a panel's gate and up columns side by side, k-major) and
-    w2 ``[R, D/32, I, 32]``."""
+    w13 ``[Sp, I/16, D, 2, 16]`` (a panel's gate and up columns side by side, k-major) and
+    w2 ``[Sp, D/32, I, 32]``."""
     return _layout(w13, _gate_up_panels), _layout(w2, lambda w2: _on_huge_pages(_panels(w2, contiguous=False)))
 
 
@@ -196,8 +198,8 @@ def _layout(weight: torch.Tensor, make) -> torch.Tensor:
 
 def _gate_up_panels(w13: torch.Tensor) -> torch.Tensor:
     stacked, hidden = w13.shape[0], w13.shape[2]
-    gate, up = w13.reshape(stacked, 2, -1, 16, hidden).unbind(1)  # [R, I/16, 16, D] each
-    # [R, I/16, D, 2, 16], written in place: no stacked temporary the size of the layer's w13
+    gate, up = w13.reshape(stacked, 2, -1, 16, hidden).unbind(1)  # [Sp, I/16, 16, D] each
+    # [Sp, I/16, D, 2, 16], written in place: no stacked temporary the size of the layer's w13
     # (a worker packing its pool must not hold a third copy of a layer meanwhile)
     layout = _huge_page_empty(torch.Size((stacked, gate.shape[1], hidden, 2, 16)))
     layout.select(3, 0).copy_(gate.transpose(2, 3))
@@ -233,7 +235,7 @@ def _huge_page_empty(shape: torch.Size) -> torch.Tensor:
 
 
 def _panels(weight: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
-    """``[..., N, K]`` -> ``[..., N/32, K, 32]``: 32 output columns a panel, k-major (a view
+    """``[..., No, Ni]`` -> ``[..., No/32, Ni, 32]``: 32 output columns a panel, k-major (a view
     when not ``contiguous``)."""
     *lead, out_features, in_features = weight.shape
     panels = weight.reshape(*lead, out_features // 32, 32, in_features).transpose(-1, -2)
@@ -242,7 +244,7 @@ def _panels(weight: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
 
 # ---- dense layers --------------------------------------------------------------------------
 def linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether :func:`linear` takes it: float32 on the CPU, a ``[N, K]`` weight with N a multiple of 32."""
+    """Whether :func:`linear` takes it: float32 on the CPU, a ``[No, Ni]`` weight with No a multiple of 32."""
     return (_takes(x, weight) and x.numel() > 0 and weight.dim() == 2 and weight.shape[0] % 32 == 0
             and (bias is None or _takes(bias)) and unavailable_reason() is None)
 
@@ -311,8 +313,8 @@ def attention_applies(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, rows: torch.Tensor,
                      slots: torch.Tensor, counts: torch.Tensor, scale: float, out: torch.Tensor) -> None:
     """Rows ``rows[b]`` of ``out: [T, H, Dv]`` from ``q: [T, H, Dk]`` against the first ``counts[b]``
-    keys of sequence b at cache slots ``slots[b]`` (``[B, k]`` int64) of the paged caches
-    (:func:`attention_applies` checked by the caller)."""
+    keys of sequence b at cache slots ``slots[b]`` (``[B, Kc]`` int64, Kc the most keys of one) of
+    the paged caches (:func:`attention_applies` checked by the caller)."""
     q = q.contiguous()
     heads, kv_heads = q.shape[1], key_cache.shape[-2]
     _check(STATE.library.raymoe_decode_attention(

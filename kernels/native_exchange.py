@@ -2,7 +2,7 @@
 whole MoE layer of the expert-parallel exchange over the sockets transport in one call.
 
 Legend: R routers, W workers in the group, S a worker's local slots, D hidden, I expert
-intermediate, k experts per token, E placement epochs a worker serves, N rows.
+intermediate, k experts per token, Ne placement epochs a worker serves, N rows.
 
 Each call reads and writes the transport's framed messages itself on the sockets a communicator
 lends it (``run_native``, kernels/comm/base.py) and returns a :class:`~raymoe.kernels.comm.wire.Status`
@@ -44,7 +44,7 @@ def worker_layer(fds: array.array, wake_fd: int, recv_numbers: array.array, send
     ``fds`` (int32) the routers' sockets in rank order; ``recv_numbers`` / ``send_numbers``
     (int64) the next message numbers, advanced in place; ``headers`` (int64, R x (HEADER_FIELDS
     + S)) read here unless ``flags`` (``wire.LayerFlag``) says given; ``epochs`` (int64) and
-    ``maps`` (``[E, S]`` int64) the pool row of each local slot per epoch served; ``w13``, ``w2``
+    ``maps`` (``[Ne, S]`` int64) the pool row of each local slot per epoch served; ``w13``, ``w2``
     the layer's experts (None with ``HEADERS_ONLY``). Returns the status, details in ``info``.
     Releases the GIL while it runs (native_cpu.experts_apply checked by the caller)."""
     if w13 is None:

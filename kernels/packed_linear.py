@@ -69,7 +69,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_row(x: torch.Tensor, stack: torch.Tensor, row: int) -> torch.Tensor:
-    """``x @ stack[row].T`` (``x: [n, in]``, ``stack: [R, out, in]``) -> ``[n, out]``."""
+    """``x @ stack[row].T`` (``x: [n, in]``, ``stack: [Sp, out, in]``) -> ``[n, out]``."""
     if not applies(x, stack):
         return F.linear(x, stack[row])
     return _LINEAR(x.contiguous(), _packed_row(stack, row), None, "none", [], "")

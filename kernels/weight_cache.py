@@ -1,6 +1,6 @@
 """Derived copies of weights (packed layouts), made once per weight version and dropped with it.
 
-Legend: R stacked experts (a stack's rows).
+Legend: Sp stacked experts (a stack's rows: a worker's pool, or a layer's experts).
 
 oneDNN's packed rows (kernels/packed_linear.py) and the native kernels' layouts
 (kernels/native_cpu.py) are both copies of a weight in another layout. They are cached here by

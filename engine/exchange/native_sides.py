@@ -4,7 +4,7 @@ connections (``comm.native_routines``: the sockets transport). The messages, the
 the errors are engine/exchange/python_sides.py's, so a group may mix the two
 (tests/engine/test_ep_native_layer.py).
 
-Legend: R routers, W workers in the group, S a worker's local slots, E placement epochs served.
+Legend: R routers, W workers in the group, S a worker's local slots, Ne placement epochs served.
 
 A native call returns a status (kernels/comm/wire.py's ``STATUSES`` says which error each
 becomes): the transport's own go to ``comm.native_failure``, the exchange's are raised here, and

@@ -3,7 +3,7 @@ It runs on every transport (gloo, NCCL, sockets), dtype and device; engine/excha
 is its twin for float32 CPUs over sockets.
 
 Legend: T tokens, k experts per token, D hidden, S a worker's local slots, R routers, W workers
-in the group, N rows, P a worker's pool rows.
+in the group, N rows, Sp a worker's pool rows (its S slots and spare rows).
 
 A worker here runs its experts one of two ways, chosen once when it joins (``_run_experts``):
 - float32 on a CPU with the native kernels and no expert threads, over a transport that lends
