@@ -23,6 +23,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raymoe.actors.attach import NAMESPACE, attach_actors
 from raymoe.actors.controller import Controller
 from raymoe.actors.expert_worker import ExpertWorker
 from raymoe.actors.recovery import join_ep_group
@@ -48,7 +49,6 @@ class RequestFailed(RuntimeError):
     """A request's step failed on its router (for example a collective's deadline passed)."""
 
 
-NAMESPACE = "raymoe"  # where named actors live, whoever created them (a CLI, a Serve replica)
 CPU_SLIVER = 0.01  # CPU share of an actor on a CPU-only machine
 ACTOR_CONCURRENCY_SLACK = 4  # calls a worker must answer at once (info, migration, re-join)
 ROUTER_CONCURRENCY = 32  # threads a router answers calls on
@@ -157,26 +157,17 @@ class Deployment:
 
 def attach(config: ClusterConfig, name: str = "raymoe", namespace: str = NAMESPACE) -> Deployment:
     """The running deployment ``name`` (started by :func:`deploy`, e.g. by ``raymoe serve``),
-    found by its actors' names: what an HTTP ingress replica serves, however many there are."""
-    def actor(suffix: str) -> Any:
-        try:
-            return ray.get_actor(f"{name}-{suffix}", namespace=namespace)
-        except ValueError:
-            raise RuntimeError(f"no running raymoe deployment {name!r} in Ray namespace {namespace!r}: "
-                               f"actor {name}-{suffix} not found (start it with raymoe serve)") from None
-
-    routers = [actor(f"router-{r}") for r in range(config.routers)]
-    workers = [actor(f"worker-{w}") for w in range(config.expert_workers)]
-    controller = actor("controller")
-    status = ray.get(controller.status.remote(), timeout=60)
-    infos = ray.get([w.info.remote() for w in workers], timeout=60)
+    found by its actors' names (actors/attach.py, as each HTTP ingress replica finds it)."""
+    found = attach_actors(name, config.routers, config.expert_workers, namespace)
+    status = found.status
     placement = PlacementTable.from_phy2log(status["placement"], status["slots_per_worker"],
                                             load_model_config(config.model).num_experts, status["worker2node"],
                                             status["epoch"])
     from ray.util import get_placement_group
 
-    return Deployment(config, load_model_config(config.model), placement, routers, workers, controller,
-                      get_placement_group(f"{name}-workers"), [info["node_id"] for info in infos])
+    return Deployment(config, load_model_config(config.model), placement, found.routers, found.workers,
+                      found.controller, get_placement_group(f"{name}-workers"),
+                      [info["node_id"] for info in found.worker_infos])
 
 
 def _wait_loaded(workers: list[Any], routers: list[Any], timeout_s: float) -> None:

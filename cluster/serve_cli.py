@@ -99,7 +99,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"raymoe serve: {problem}", file=sys.stderr)
         return 2
     from raymoe.actors.front_door import ApiKeyError
-    from raymoe.actors.ingress import config_key_digests
+    from raymoe.cluster.serve_app import config_key_digests
 
     try:
         key_digests = config_key_digests(config, tuple(args.api_key))
@@ -110,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from raymoe.actors.ingress import ingress_app
+    from raymoe.cluster.serve_app import ingress_app
     from raymoe.cluster.deploy import deploy, ensure_ray
     from raymoe.cluster.ray_connect import ClusterUnreachable
 

@@ -11,7 +11,7 @@ import pytest
 import ray
 from ray import serve
 
-from raymoe.actors.ingress import build_app
+from raymoe.cluster.serve_app import build_app
 from raymoe.cluster.config import ConfigError
 from raymoe.kernels.comm.ports import free_port
 

@@ -1,0 +1,191 @@
+"""The ingress' relay to the routers: which router takes a request, how its tokens come back,
+and what happens when a router is lost.
+
+- **Selection** (:meth:`RouterRelay.pick`): the router with the fewest of this replica's
+  requests in flight (the lowest index among equals), avoiding those that already failed the
+  request.
+- **Subscription**: one stream per router and replica (``Router.subscribe``): one Ray item per
+  router step carries every delta of this replica's requests (not one per token per request),
+  and a task per router hands each to its request. When the stream breaks, every request
+  waiting on that router hears so (:class:`RouterLost`); the next request subscribes again.
+- **Failover** (:meth:`RouterRelay.deltas`, :meth:`RouterRelay.score`): a request none of
+  whose tokens reached the client (always, for a non-streamed one) starts over on another
+  router; a stream that already sent tokens ends with an error instead (tokens cannot be taken
+  back). Scoring a prompt moves to another router likewise.
+
+The relay counts what it sees in the replica's :class:`ServingMetrics` (time to first token,
+inter-token latency, time per output token, output tokens, finish reasons).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator
+
+import ray
+
+from raymoe.actors.router import StepFailure
+from raymoe.actors.serving_metrics import ServingMetrics
+from raymoe.engine.api.openai_protocol import new_id
+from raymoe.engine.engine import RequestOutput
+from raymoe.engine.prompt_logprobs import PromptLogprobs
+from raymoe.engine.sampling_params import SamplingParams
+
+ROUTER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+class RouterLost(Exception):
+    """Put in a request's queue (and raised there) when the subscription of its router broke."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
+def sequence_id(request_id: str, index: int, count: int) -> str:
+    """The engine request id of sequence ``index`` of ``count`` that one body fans out into."""
+    return request_id if count == 1 else f"{request_id}-{index}"
+
+
+class RouterRelay:
+    """One ingress replica's requests on the routers ``routers`` (actor handles, by index)."""
+
+    def __init__(self, routers: list[Any], metrics: ServingMetrics):
+        self.routers = routers
+        self.metrics = metrics
+        self.in_flight = [0] * len(routers)  # this replica's requests on each router
+        # One subscription per router carries every delta of this replica's requests, one
+        # Ray item per step (not one per token per request); a task per router reads it.
+        self.subscriber = new_id("ingress")
+        self._waiting: dict[str, tuple[int, asyncio.Queue]] = {}  # request id -> (router, its deltas)
+        self._subscriptions: dict[int, asyncio.Task] = {}
+
+    # ---- selection ---------------------------------------------------------------------
+    def pick(self, avoid: set[int]) -> int:
+        """The router to send a request to (counted in flight until its caller takes it off)."""
+        candidates = [i for i in range(len(self.in_flight)) if i not in avoid] or list(range(len(self.in_flight)))
+        router = min(candidates, key=lambda i: (self.in_flight[i], i))
+        self.in_flight[router] += 1
+        return router
+
+    # ---- subscription ------------------------------------------------------------------
+    def _subscribe(self, router: int) -> None:
+        task = self._subscriptions.get(router)
+        if task is None or task.done():
+            self._subscriptions[router] = asyncio.get_running_loop().create_task(self._read_subscription(router))
+
+    async def _read_subscription(self, router: int) -> None:
+        """Read ``router``'s per-step batches and hand each delta to its request. If the router
+        is lost, every request waiting on it hears so; the next request subscribes again."""
+        handle = self.routers[router]
+        try:
+            async for ref in handle.subscribe.options(num_returns="streaming").remote(self.subscriber):
+                for item in await ref:
+                    entry = self._waiting.get(item.request_id)
+                    if entry is not None:
+                        entry[1].put_nowait(item)
+            lost: BaseException = RuntimeError("the router closed its stream")
+        except ROUTER_LOST as error:
+            lost = error
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # keep serving: the requests on this router fail over like on a loss
+            lost = error
+        for entry in list(self._waiting.values()):
+            if entry[0] == router:
+                entry[1].put_nowait(RouterLost(lost))
+
+    # ---- failover ----------------------------------------------------------------------
+    async def deltas(self, prompt_ids: list[int], params: SamplingParams, stream: bool, request_id: str,
+                     arrived: float) -> AsyncIterator[RequestOutput | StepFailure]:
+        """The router's token deltas folded into a growing RequestOutput (or a StepFailure).
+
+        If the router dies before any token reached the client (always, for a non-streamed
+        request), the request starts over on another router; a stream that already sent
+        tokens ends with an error instead (the docs say why: tokens cannot be taken back).
+        """
+        failed: set[int] = set()
+        router = self.pick(failed)
+        finished = False
+        try:
+            while True:
+                tokens, logprobs, tops, last, first = [], [], [], None, 0.0
+                deltas: asyncio.Queue = asyncio.Queue()
+                self._waiting[request_id] = (router, deltas)
+                try:
+                    self._subscribe(router)
+                    try:
+                        await self.routers[router].submit.remote(self.subscriber, request_id, prompt_ids, params)
+                    except ValueError as error:  # its engine refused it (validate_prompt: e.g. its KV never fits)
+                        finished = True
+                        yield StepFailure(request_id, str(error), public=str(getattr(error, "cause", error)), status=400)
+                        return
+                    while True:
+                        item = await deltas.get()
+                        if isinstance(item, RouterLost):
+                            raise item
+                        if isinstance(item, StepFailure):
+                            finished = True
+                            self.metrics.count_finished("error")
+                            yield item
+                            return
+                        now = time.perf_counter()
+                        if last is None:
+                            self.metrics.ttft.observe(now - arrived)
+                            first = now
+                        else:
+                            for _ in item.token_ids:
+                                self.metrics.itl.observe((now - last) / len(item.token_ids))
+                        last = now
+                        tokens += item.token_ids
+                        logprobs += item.logprobs
+                        tops += item.top_logprobs
+                        self.metrics.output_tokens.inc(len(item.token_ids))
+                        finished = item.finished
+                        if finished:  # counted before the yield: the caller may stop at the last output
+                            self.metrics.count_finished(item.finish_reason or "abort")
+                            if len(tokens) > 1:
+                                self.metrics.tpot.observe((now - first) / (len(tokens) - 1))
+                        yield RequestOutput(request_id, item.token_ids, item.logprobs, item.finished,
+                                            item.finish_reason, item.num_prompt_tokens, tokens, logprobs, tops,
+                                            item.stop_text_index)
+                        if item.finished:
+                            return
+                except (*ROUTER_LOST, RouterLost) as error:
+                    failed.add(router)
+                    if (stream and tokens) or len(failed) > len(self.in_flight):
+                        finished = True
+                        self.metrics.count_finished("error")
+                        yield StepFailure(request_id, f"the router serving this request was lost after "
+                                                      f"{len(tokens)} streamed tokens: {error}",
+                                          public=f"the router serving it was lost after {len(tokens)} streamed "
+                                                 f"tokens; retry")
+                        return
+                    self.in_flight[router] -= 1
+                    router = self.pick(failed)  # nothing reached the client: start over elsewhere
+        finally:
+            if not finished:  # the client went away (or the caller stopped): free its slot and KV blocks
+                self.routers[router].abort.remote(request_id)
+                self.metrics.count_finished("abort")
+            self._waiting.pop(request_id, None)
+            self.in_flight[router] -= 1
+
+    async def score(self, prompts: list[list[int]], num_top: int,
+                    request_id: str) -> list[PromptLogprobs] | StepFailure:
+        """The prompts' token logprobs, as one scoring step of a router (another one if it is lost)."""
+        failed: set[int] = set()
+        while True:
+            router = self.pick(failed)
+            try:
+                return await self.routers[router].score_prompts.remote(prompts, num_top)
+            except ROUTER_LOST as error:
+                failed.add(router)
+                if len(failed) >= len(self.in_flight):
+                    return StepFailure(request_id, f"every router was lost while scoring: {error}",
+                                       public="the routers scoring its prompt were lost; retry")
+            except Exception as error:  # e.g. the KV cache could not hold the prompts now
+                return StepFailure(request_id, f"scoring failed: {type(error).__name__}: {error}",
+                                   public="the server could not score its prompt now; retry shortly")
+            finally:
+                self.in_flight[router] -= 1
