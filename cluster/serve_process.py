@@ -66,13 +66,14 @@ class ServeProcess:
         return cls(serve_argv(config, port, host, python), port, **options)
 
     def start(self) -> None:
-        if self.log_path is None:
-            self.process = subprocess.Popen(self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
-                                            stdout=sys.stderr, stderr=sys.stderr, start_new_session=True)
-            return
-        with open(self.log_path, "ab") as output:  # the child keeps its own descriptor
-            self.process = subprocess.Popen(self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
-                                            stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        output = open(self.log_path, "ab") if self.log_path else None
+        try:  # the child keeps its own descriptor of the log
+            self.process = subprocess.Popen(
+                self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=output or sys.stderr,
+                stderr=subprocess.STDOUT if output else sys.stderr, start_new_session=True)
+        finally:
+            if output:
+                output.close()
 
     def wait_ready(self, timeout_s: float | None = None, *, probe: Callable[[str], Any] | None = health,
                    ready_line: str | None = None, interval_s: float = 0.5) -> Any:
