@@ -28,7 +28,7 @@ from raymoe.engine.model import MoEModel
 from raymoe.engine.prefill_pacer import PrefillPacer
 from raymoe.engine.prefix_cache import PrefixCache, PrefixCacheStats, root_key
 from raymoe.engine.prompt_logprobs import PromptLogprobs, reduce_rows
-from raymoe.engine.sampler import sample
+from raymoe.engine.sampler import sample, seeded_generator
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from raymoe.engine.sequence import FinishReason, Sequence
@@ -156,10 +156,22 @@ class LLMEngine:
         return cls(config, MoEModel(config, weights, experts), engine_config, dtype, detokenize, grammar)
 
     # ---- requests ------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    resume_output_ids: Iterable[int] = ()) -> None:
+        """Queue a request. ``resume_output_ids``: tokens it already produced elsewhere (a request
+        migrated from a lost router): it continues after them as if it had never moved — their
+        keys and values are computed with the prompt's, its penalties count them, its grammar and
+        its seeded random stream stand past them, and only the tokens after them are output."""
         if request_id in self._sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
+        resumed = list(resume_output_ids)
+        if len(resumed) >= params.max_tokens or len(prompt_token_ids) + len(resumed) >= self.max_model_len:
+            raise ValueError(f"a resumed request must have tokens left to produce: {len(resumed)} already produced, "
+                             f"max_tokens={params.max_tokens}, context {self.max_model_len}")
+        bad = [t for t in resumed if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"resumed token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
         bad = [t for t, _ in params.logit_bias if t >= self.config.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
@@ -169,10 +181,17 @@ class LLMEngine:
                 raise ValueError("response_format is not available: this engine has no grammar compiler (it needs "
                                  "the checkpoint's tokenizer.json and the xgrammar package)")
             grammar = self.grammar.new_state(params.structured)
+            for token in resumed:
+                if not grammar.accept(token):
+                    raise ValueError(f"resumed token {token} breaks the request's response_format grammar")
         generator = None  # unseeded rows draw from the device's default generator, in one batch
         if not params.is_greedy and params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            generator = seeded_generator(params.seed, self.device, tokens_sampled=len(resumed))
         sequence = Sequence(request_id, list(prompt_token_ids), params, generator, next(self._arrivals))
+        if resumed:  # its earlier logprobs went out with those tokens; placeholders keep the lists aligned
+            sequence.output_ids = resumed
+            sequence.logprobs = [float("nan")] * len(resumed)
+            sequence.top_logprobs = [None] * len(resumed)
         sequence.grammar = grammar
         self._sequences[request_id] = sequence
         self.scheduler.add(sequence)

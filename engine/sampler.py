@@ -226,9 +226,24 @@ def _uniforms(generators: list[torch.Generator | None], device: torch.device) ->
         free = torch.tensor([r for r, g in enumerate(generators) if g is None], device=device)
         uniforms.index_copy_(0, free, torch.rand(free.shape[0], dtype=torch.float64, device=device))
     if seeded:
-        draws = [torch.rand(1, dtype=torch.float64, device=device, generator=generators[r]) for r in seeded]
+        draws = [_seeded_draw(generators[r], device) for r in seeded]
         uniforms.index_copy_(0, torch.tensor(seeded, device=device), torch.cat(draws))
     return uniforms
+
+
+def _seeded_draw(generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """A seeded row's one uniform of a step: its random stream advances by exactly this."""
+    return torch.rand(1, dtype=torch.float64, device=device, generator=generator)
+
+
+def seeded_generator(seed: int, device: torch.device, tokens_sampled: int = 0) -> torch.Generator:
+    """A seeded request's generator, where it stands after ``tokens_sampled`` sampled tokens
+    (a request continued on another router resumes its random stream there: the same tokens
+    as if it had never moved). Each sampled token of a random row draws one uniform."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for _ in range(tokens_sampled):
+        _seeded_draw(generator, device)
+    return generator
 
 
 def _invert_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
