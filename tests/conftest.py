@@ -124,3 +124,6 @@ class HeavyFirst:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(HeavyFirst(), "raymoe-heavy-first")
+    if getattr(config.option, "dist", "no") == "loadfile":
+        # xdist would send the modules with the most tests first instead (many, but quick ones)
+        config.option.loadscopereorder = False
