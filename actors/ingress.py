@@ -69,6 +69,7 @@ class IngressSettings:
     header_timeout_s: float
     front_door: FrontDoorPolicy  # API key digests, CORS, body deadlines, admission caps
     namespace: str = NAMESPACE
+    max_migrations: int = 3  # serve.max_migrations: moves of one request to another router when its router is lost
 
 
 app = FastAPI(title="raymoe", description="OpenAI-compatible MoE serving with expert parallelism on Ray")
@@ -119,7 +120,8 @@ class OpenAIIngress:
             self.replica = str(os.getpid())
         self.created = int(time.time())
         self._ids = itertools.count()
-        self.relay = RouterRelay(self.deployment.routers, self.metrics)  # selection, subscriptions, failover
+        self.relay = RouterRelay(self.deployment.routers, self.metrics,  # selection, subscriptions, migration
+                                 max_migrations=settings.max_migrations)
         self._prepare_pool = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="raymoe-prepare")
 
     # ---- OpenAI routes -----------------------------------------------------------------

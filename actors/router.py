@@ -154,7 +154,7 @@ class Router:
         self.warm_up = self._warm_up()
         self._lock = threading.Lock()  # guards the engine: steps, adds, aborts, scoring
         self._wake = threading.Condition()  # guards the inbox below; wakes the idle step thread
-        self._incoming: list[tuple[str, list[int], SamplingParams]] = []
+        self._incoming: list[tuple[str, list[int], SamplingParams, list[int]]] = []  # (.., resumed tokens)
         self._aborts: list[str] = []
         # request id -> (where its deltas go, whether that is a subscriber's per-step batch queue)
         self._queues: dict[str, tuple[queue.Queue, bool]] = {}
@@ -238,9 +238,9 @@ class Router:
         with self._wake:
             incoming, self._incoming = self._incoming, []
             aborts, self._aborts = self._aborts, []
-        for request_id, prompt_ids, params in incoming:
+        for request_id, prompt_ids, params, resume_ids in incoming:
             try:
-                self.engine.add_request(request_id, prompt_ids, params)
+                self.engine.add_request(request_id, prompt_ids, params, resume_output_ids=resume_ids)
             except Exception as error:  # validated at submit; e.g. a duplicate id: it alone fails
                 self._deliver([StepFailure(request_id, f"{type(error).__name__}: {error}",
                                            public="the router refused this request", status=500)])
@@ -431,7 +431,7 @@ class Router:
             self._wake.notify()
 
     def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                target: queue.Queue | None = None) -> queue.Queue:
+                target: queue.Queue | None = None, resume_ids: list[int] | None = None) -> queue.Queue:
         batched = target is not None
         target = queue.Queue() if target is None else target
         self.engine.validate_prompt(prompt_ids, params)  # a bad request is refused to its caller
@@ -441,14 +441,17 @@ class Router:
             self.engine.grammar.compile(params.structured)
         with self._wake:
             self._queues[request_id] = (target, batched)
-            self._incoming.append((request_id, prompt_ids, params))
+            self._incoming.append((request_id, prompt_ids, params, list(resume_ids or ())))
             self._wake.notify()
         return target
 
     # ---- subscribers: one stream per caller (an ingress replica), one item per step ----
-    def submit(self, subscriber: str, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Add a request whose deltas go to ``subscriber``'s stream (see :meth:`subscribe`)."""
-        self._submit(request_id, prompt_ids, params, self._subscriber_queue(subscriber))
+    def submit(self, subscriber: str, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               resume_ids: list[int] | None = None) -> None:
+        """Add a request whose deltas go to ``subscriber``'s stream (see :meth:`subscribe`).
+        ``resume_ids``: the tokens it already produced on a router that was lost (stream
+        migration): it continues after them, and only later tokens come back."""
+        self._submit(request_id, prompt_ids, params, self._subscriber_queue(subscriber), resume_ids)
 
     def subscribe(self, subscriber: str) -> Iterator[list[TokenDelta | StepFailure]]:
         """Every delta of ``subscriber``'s requests, one list per step (all of them at once

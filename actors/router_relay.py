@@ -8,10 +8,14 @@ and what happens when a router is lost.
   router step carries every delta of this replica's requests (not one per token per request),
   and a task per router hands each to its request. When the stream breaks, every request
   waiting on that router hears so (:class:`RouterLost`); the next request subscribes again.
-- **Failover** (:meth:`RouterRelay.deltas`, :meth:`RouterRelay.score`): a request none of
-  whose tokens reached the client (always, for a non-streamed one) starts over on another
-  router; a stream that already sent tokens ends with an error instead (tokens cannot be taken
-  back). Scoring a prompt moves to another router likewise.
+- **Migration** (:meth:`RouterRelay.deltas`, :meth:`RouterRelay.score`): when a router is
+  lost, each of its requests moves to a live router. One that had produced no token starts
+  over; one that had continues there after the tokens it produced (``Router.submit``'s
+  ``resume_ids``: prompt and those tokens prefilled, its penalties, grammar and seeded random
+  stream standing past them), so the client's stream goes on with no token repeated or
+  missing, and greedy and seeded outputs equal a run without the failure. A request moves at
+  most ``max_migrations`` times (``serve.max_migrations``); past that, or with no router left
+  to try, it ends with an error event. Scoring a prompt moves to another router likewise.
 
 The relay counts what it sees in the replica's :class:`ServingMetrics` (time to first token,
 inter-token latency, time per output token, output tokens, finish reasons).
@@ -33,6 +37,7 @@ from raymoe.engine.prompt_logprobs import PromptLogprobs
 from raymoe.engine.sampling_params import SamplingParams
 
 ROUTER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+RETRY_PAUSE_S = 0.5  # before moving a request back to a router that already lost it (all have: one may be restarting)
 
 
 class RouterLost(Exception):
@@ -51,9 +56,10 @@ def sequence_id(request_id: str, index: int, count: int) -> str:
 class RouterRelay:
     """One ingress replica's requests on the routers ``routers`` (actor handles, by index)."""
 
-    def __init__(self, routers: list[Any], metrics: ServingMetrics):
+    def __init__(self, routers: list[Any], metrics: ServingMetrics, max_migrations: int = 3):
         self.routers = routers
         self.metrics = metrics
+        self.max_migrations = max_migrations
         self.in_flight = [0] * len(routers)  # this replica's requests on each router
         # One subscription per router carries every delta of this replica's requests, one
         # Ray item per step (not one per token per request); a task per router reads it.
@@ -101,22 +107,28 @@ class RouterRelay:
                      arrived: float) -> AsyncIterator[RequestOutput | StepFailure]:
         """The router's token deltas folded into a growing RequestOutput (or a StepFailure).
 
-        If the router dies before any token reached the client (always, for a non-streamed
-        request), the request starts over on another router; a stream that already sent
-        tokens ends with an error instead (the docs say why: tokens cannot be taken back).
+        If its router is lost, the request moves to another one (at most ``max_migrations``
+        times) and continues after the tokens it already produced: the caller sees one
+        uninterrupted sequence of deltas.
         """
         failed: set[int] = set()
         router = self.pick(failed)
         finished = False
+        migrations = 0
+        tokens: list[int] = []  # every token produced so far, over every router it ran on
+        logprobs: list[float] = []
+        tops: list = []
+        last, first = None, 0.0
+        attempt = request_id  # the id on the router; a moved request gets a new one (its old router may live on)
         try:
             while True:
-                tokens, logprobs, tops, last, first = [], [], [], None, 0.0
                 deltas: asyncio.Queue = asyncio.Queue()
-                self._waiting[request_id] = (router, deltas)
+                self._waiting[attempt] = (router, deltas)
                 try:
                     self._subscribe(router)
                     try:
-                        await self.routers[router].submit.remote(self.subscriber, request_id, prompt_ids, params)
+                        await self.routers[router].submit.remote(self.subscriber, attempt, prompt_ids, params,
+                                                                 list(tokens) or None)
                     except ValueError as error:  # its engine refused it (validate_prompt: e.g. its KV never fits)
                         finished = True
                         yield StepFailure(request_id, str(error), public=str(getattr(error, "cause", error)), status=400)
@@ -154,21 +166,29 @@ class RouterRelay:
                             return
                 except (*ROUTER_LOST, RouterLost) as error:
                     failed.add(router)
-                    if (stream and tokens) or len(failed) > len(self.in_flight):
+                    self._waiting.pop(attempt, None)
+                    self.routers[router].abort.remote(attempt)  # if it lives on (only its stream broke), it stops
+                    migrations += 1
+                    if migrations > self.max_migrations:
                         finished = True
                         self.metrics.count_finished("error")
-                        yield StepFailure(request_id, f"the router serving this request was lost after "
-                                                      f"{len(tokens)} streamed tokens: {error}",
-                                          public=f"the router serving it was lost after {len(tokens)} streamed "
-                                                 f"tokens; retry")
+                        yield StepFailure(request_id, f"the router serving this request was lost after {len(tokens)} "
+                                                      f"tokens and it was already moved {self.max_migrations} times "
+                                                      f"(serve.max_migrations): {error}",
+                                          public=f"the router serving it was lost after {len(tokens)} tokens, and it "
+                                                 f"had already been moved {self.max_migrations} times; retry")
                         return
+                    self.metrics.migrations.labels(self.metrics.model_name, "true" if tokens else "false").inc()
                     self.in_flight[router] -= 1
-                    router = self.pick(failed)  # nothing reached the client: start over elsewhere
+                    if len(failed) >= len(self.in_flight):  # every router lost it: give a restart a moment
+                        await asyncio.sleep(RETRY_PAUSE_S)
+                    router = self.pick(failed)  # it continues there after the tokens it produced
+                    attempt = f"{request_id}~{migrations}"
         finally:
             if not finished:  # the client went away (or the caller stopped): free its slot and KV blocks
-                self.routers[router].abort.remote(request_id)
+                self.routers[router].abort.remote(attempt)
                 self.metrics.count_finished("abort")
-            self._waiting.pop(request_id, None)
+            self._waiting.pop(attempt, None)
             self.in_flight[router] -= 1
 
     async def score(self, prompts: list[list[int]], num_top: int,

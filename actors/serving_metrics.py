@@ -57,6 +57,9 @@ class ServingMetrics:
                                      registry=r).labels(model_name)
         self.output_tokens = Counter(PREFIX + "generation_tokens", "Output tokens sent to clients", model,
                                      registry=r).labels(model_name)
+        self.migrations = Counter(PREFIX + "request_migrations", "Requests moved to another router when theirs was "
+                                  "lost, by whether tokens had been produced (resumed after them) or not (started over)",
+                                  model + ["resumed"], registry=r)
         self.engine = EngineCollector(model_name, slots_per_worker)
         r.register(self.engine)
 

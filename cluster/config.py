@@ -185,6 +185,7 @@ class ServeSection(_Section):
     max_open_requests: Positive = 4096  # requests in one ingress replica at once (503 beyond; /health, /metrics exempt)
     max_requests_per_client: Positive = 1024  # from one client address at once (429 beyond; raise it behind a load balancer)
     keep_alive_timeout_s: PositiveFloat | None = None  # idle keep-alive connections closed after this (Serve's default)
+    max_migrations: Annotated[int, msgspec.Meta(ge=0)] = 3  # moves of one request to another router when its router is lost
 
 
 class CpuSection(_Section):

@@ -1,4 +1,7 @@
-"""A router killed under load: its requests start over on another router; it comes back."""
+"""A router killed under load: its requests move to another router and continue there after the
+tokens they had produced (stream migration); the client sees one stream with no token repeated
+or missing, equal to a run without the failure; the router comes back. Past
+``serve.max_migrations`` a request ends with an error event."""
 
 from __future__ import annotations
 
@@ -9,11 +12,13 @@ import signal
 import time
 import urllib.request
 
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.sampling_params import SamplingParams
+from raymoe.engine.tokenizer import Tokenizer
 from server_process import served
 
 TOKEN = "router-failure-token"
@@ -34,25 +39,44 @@ def call(url: str, path: str, body: dict | None = None) -> dict:
         return json.loads(response.read())
 
 
-def generation_tokens(url: str) -> float:
-    """The ingress's count of output tokens received from routers (a re-run request's tokens
-    count twice: once from the router that died, once from the one that re-ran it)."""
+def counter(url: str, family: str, **labels: str) -> float:
     with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
         families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
-    return sum(s.value for s in families["raymoe:generation_tokens"].samples if s.name.endswith("_total"))
+    if family not in families:
+        return 0.0
+    return sum(s.value for s in families[family].samples
+               if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def generation_tokens(url: str) -> float:
+    """The ingress's count of output tokens received from routers."""
+    return counter(url, "raymoe:generation_tokens")
+
+
+def resumed_migrations(url: str) -> float:
+    """Requests moved to another router after they had produced tokens."""
+    return counter(url, "raymoe:request_migrations", resumed="true")
+
+
+def wait_until_routers_alive(url: str) -> None:
+    deadline = time.monotonic() + 180
+    while not all(r.get("alive") for r in call(url, "/admin/placement")["routers"]):
+        assert time.monotonic() < deadline, "the routers did not come back"
+        time.sleep(0.5)
 
 
 MAX_TOKENS = 48
 
 
 def test_router_killed_under_load_loses_no_request(server, tiny_mixtral_dir):
+    wait_until_routers_alive(server.url)
     prompts = [[10 + i, 20 + i, 30 + i] for i in range(16)]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     reference = LLMEngine.from_pretrained(tiny_mixtral_dir, EngineConfig(dtype="float32"))
     expected = [o.output_token_ids for o in reference.generate(prompts, params)]
     routers = call(server.url, "/admin/placement")["routers"]
     victim = routers[0]["pid"]
-    before = generation_tokens(server.url)
+    before, moved_before = generation_tokens(server.url), resumed_migrations(server.url)
 
     def complete(prompt):
         return call(server.url, "/v1/completions", {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
@@ -69,10 +93,11 @@ def test_router_killed_under_load_loses_no_request(server, tiny_mixtral_dir):
         os.kill(victim, signal.SIGKILL)
         bodies = [f.result(timeout=300) for f in futures]
     assert [b["choices"][0]["token_ids"] for b in bodies] == expected
-    # Proof that requests were re-run, not merely finished before the kill: the ingress
-    # received more tokens than the requests hold, the dead router's partial outputs included.
-    received = generation_tokens(server.url) - before
-    assert received > len(prompts) * MAX_TOKENS, received
+    assert all(b["usage"]["completion_tokens"] == MAX_TOKENS for b in bodies)
+    # Proof that requests moved after producing tokens (not merely finished before the kill):
+    # the ingress counted resumed migrations, and it received no token twice.
+    assert resumed_migrations(server.url) - moved_before >= 1
+    assert generation_tokens(server.url) - before == len(prompts) * MAX_TOKENS
     # The router comes back (restarted by Ray, rejoined by the controller) and serves again.
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -91,12 +116,66 @@ def test_router_killed_under_load_loses_no_request(server, tiny_mixtral_dir):
         assert response.status == 200
 
 
-def test_a_stream_whose_router_dies_after_sending_tokens_ends_with_an_error_event(server):
+STREAMS = 32
+
+
+def test_32_streams_survive_a_router_sigkill_byte_equal_to_the_reference(server, tiny_mixtral_dir):
+    """Half greedy, half seeded at temperature 0.9: every stream completes, its text is the
+    in-process engine's, and it carries each token once (the usage count and the text agree)."""
+    wait_until_routers_alive(server.url)
+    tokenizer = Tokenizer(tiny_mixtral_dir)
+    prompts = [[50 + i, 60 + i, 70 + i, 80 + i] for i in range(STREAMS)]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0) if i % 2 == 0 else
+              SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.9, seed=1000 + i)
+              for i in range(STREAMS)]
+    reference = LLMEngine.from_pretrained(tiny_mixtral_dir, EngineConfig(dtype="float32"))
+    expected = [tokenizer.decode(o.output_token_ids) for o in reference.generate(prompts, params)]
+    victim = call(server.url, "/admin/placement")["routers"][0]["pid"]
+    before, moved_before = generation_tokens(server.url), resumed_migrations(server.url)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+
+    def stream(i: int) -> tuple[str, str | None, int]:
+        extra = {} if params[i].seed is None else {"seed": params[i].seed}
+        chunks = client.completions.create(model=model, prompt=prompts[i],
+                                           max_tokens=MAX_TOKENS, temperature=params[i].temperature, stream=True,
+                                           stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True}, **extra)
+        text, reason, usage = "", None, -1
+        for chunk in chunks:
+            for choice in chunk.choices:
+                text += choice.text
+                reason = choice.finish_reason or reason
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+        return text, reason, usage
+
+    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+        futures = [pool.submit(stream, i) for i in range(STREAMS)]
+        deadline = time.monotonic() + 120
+        while generation_tokens(server.url) - before < 2 * STREAMS:
+            assert time.monotonic() < deadline and not any(f.done() for f in futures), "no tokens flowed"
+            time.sleep(0.05)
+        os.kill(victim, signal.SIGKILL)
+        results = [f.result(timeout=300) for f in futures]
+    assert [r[0] for r in results] == expected
+    assert [(r[1], r[2]) for r in results] == [("length", MAX_TOKENS)] * STREAMS
+    assert resumed_migrations(server.url) - moved_before >= 1
+    assert generation_tokens(server.url) - before == STREAMS * MAX_TOKENS  # no token received twice
+
+
+@pytest.fixture(scope="module")
+def server_without_migration(tiny_mixtral_dir, tmp_path_factory):
+    yield from served(tmp_path_factory.mktemp("router-failure-no-migration"), tiny_mixtral_dir,
+                      "routers: 2\nexpert_workers: 1\ncomm:\n  backend: gloo\n  timeout_s: 3.0\n"
+                      "balancer:\n  enabled: false\n  poll_interval_s: 0.2\nserve:\n  max_migrations: 0\n",
+                      env={"RAYMOE_ADMIN_TOKEN": TOKEN})
+
+
+def test_past_max_migrations_a_stream_ends_with_an_error_event(server_without_migration):
+    server = server_without_migration
     # With nothing else in flight the ingress picks router 0 (fewest requests, lowest index).
-    deadline = time.monotonic() + 120
-    while not all(r.get("alive") for r in call(server.url, "/admin/placement")["routers"]):
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
+    wait_until_routers_alive(server.url)
     victim = call(server.url, "/admin/placement")["routers"][0]["pid"]
     body = json.dumps({"prompt": [7, 8, 9], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
                        "stream": True}).encode()
@@ -115,4 +194,4 @@ def test_a_stream_whose_router_dies_after_sending_tokens_ends_with_an_error_even
     payloads = [json.loads(e) for e in events[:-1]]
     assert "choices" in payloads[0]  # tokens were streamed first
     assert "error" in payloads[-1] and payloads[-1]["error"]["code"] == "step_failed"
-    assert "lost after" in payloads[-1]["error"]["message"]
+    assert "already been moved 0 times" in payloads[-1]["error"]["message"]
