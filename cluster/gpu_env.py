@@ -19,10 +19,7 @@ their clouds in comments, with where each comes from; docs/DEPLOY.md, "GPU netwo
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Mapping
-
-if TYPE_CHECKING:
-    from raymoe.cluster.config import ClusterConfig
+from typing import Any, Mapping
 
 NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 PREFIXES = ("NCCL_", "FI_", "OFI_NCCL_", "CUDA_")
@@ -48,7 +45,8 @@ def nccl_env_problem(env: Mapping[str, object]) -> str | None:
     return None
 
 
-def gpu_actor_env(config: "ClusterConfig") -> dict[str, str]:
-    """The ``env_vars`` of every GPU actor (router, expert worker) of ``config``: its
-    ``comm.nccl_env``, values as strings (validated when the config was loaded)."""
+def gpu_actor_env(config: Any) -> dict[str, str]:
+    """The ``env_vars`` of every GPU actor (router, expert worker) of ``config`` (a
+    cluster.config.ClusterConfig, which imports this module: not imported here, so no
+    circle): its ``comm.nccl_env``, values as strings (validated when the config was loaded)."""
     return {name: str(value) for name, value in config.comm.nccl_env.items()}
