@@ -194,7 +194,9 @@ def _grouped_mm_layout_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) 
 
 def _grouped_swiglu_cuda(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     # One grouped GEMM per projection: offsets are the cumulative row counts (int32).
-    offsets = torch.tensor(counts, device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    # (built on the host, pinned, copied without blocking: no host sync before the GEMMs)
+    offsets = torch.tensor(counts, dtype=torch.int32).pin_memory().to(x.device, non_blocking=True).cumsum(
+        0, dtype=torch.int32)
     intermediate = w2.shape[2]
     gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offsets)  # [A, 2I]
     hidden = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]

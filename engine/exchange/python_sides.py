@@ -23,7 +23,7 @@ from concurrent.futures import Executor
 
 import torch
 
-from raymoe.engine.exchange.sides import RouterExchange, WorkerExchange, WorkerLayerResult
+from raymoe.engine.exchange.sides import RouterExchange, WorkerExchange, WorkerLayerResult, to_device
 from raymoe.engine.experts import run_rows
 from raymoe.kernels import native_cpu
 from raymoe.kernels.comm.base import Communicator
@@ -53,11 +53,11 @@ class PythonRouterExchange(RouterExchange):
                         packed: torch.Tensor | None, received: torch.Tensor) -> None:
         tag, checksum, _, _ = layer_tags(layer)
         S = self.slots_per_worker
-        # Every worker's header in one tensor, one row each (one host-to-device copy on a GPU).
-        headers = torch.tensor([[counts[worker], checksum, epoch, KIND_STEP, *slot_counts[worker * S:(worker + 1) * S]]
-                                for worker in self._rank_of_worker], dtype=torch.int64)
-        if self.device.type != "cpu":
-            headers = headers.to(self.device)
+        # Every worker's header in one tensor, one row each (one non-blocking copy from pinned
+        # memory on a GPU: no host sync).
+        headers = to_device(torch.tensor([[counts[worker], checksum, epoch, KIND_STEP,
+                                           *slot_counts[worker * S:(worker + 1) * S]]
+                                          for worker in self._rank_of_worker], dtype=torch.int64), self.device)
         row_bytes = self.combine_row_bytes
         sends, recvs = [], []
         start = offset = 0
@@ -79,8 +79,7 @@ class PythonRouterExchange(RouterExchange):
         for index, layer in enumerate(layers):
             headers[index * len(ranks):(index + 1) * len(ranks), HEADER_CHECKSUM] = layer_tags(layer)[1]
         received = torch.empty(len(layers) * len(ranks), TRAILER_BYTES, dtype=torch.uint8, device=self.device)
-        if self.device.type != "cpu":
-            headers = headers.to(self.device)
+        headers = to_device(headers, self.device)
         sends, recvs = [], []
         for index in range(len(layers)):
             for position, rank in enumerate(ranks):
@@ -146,7 +145,9 @@ class PythonWorkerExchange(WorkerExchange):
             if count:
                 recvs.append((rank, payload[start:start + count]))
             start += count
-        self.comm.transfer([], recvs, tag=tag)
+        # The experts read the rows on the device: no host wait for them (on NCCL torch's stream
+        # waits for the group; a stuck group fails the next layer's header wait, by its deadline).
+        self.comm.transfer([], recvs, tag=tag, wait=False)
         started = time.perf_counter()
         if not total:
             partial = torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device)
@@ -198,13 +199,15 @@ class PythonWorkerExchange(WorkerExchange):
             message[-TRAILER_BYTES:].numpy()[:] = memoryview(trailer)
             sends.append((0, message))
         else:
-            trailer = torch.frombuffer(bytearray(trailer), dtype=torch.uint8).to(self.device)
+            trailer = to_device(torch.frombuffer(bytearray(trailer), dtype=torch.uint8), self.device)
             partial_bytes = partial.contiguous().view(torch.uint8) if total else None
             start = 0
             for rank, count in enumerate(counts):
                 body = partial_bytes[start:start + count].reshape(-1) if count else trailer[:0]
                 sends.append((rank, torch.cat([body, trailer])))
                 start += count
-        self.comm.transfer(sends, [], tag=combine_tag)
+        # Nothing on the host needs the sends done (their buffers are kept for the comm stream):
+        # no host wait; the next layer's header wait covers them (one stream, in order).
+        self.comm.transfer(sends, [], tag=combine_tag, wait=False)
         return WorkerLayerResult(rows=total, assignments=assignments, compute_s=compute_s)
 

@@ -38,6 +38,17 @@ from raymoe.kernels.comm.wire import (
 from raymoe.moe.exchange_plan import ExchangePlan
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a tensor the host just built: headers, flags, a trailer) on ``device`` without a
+    host sync: on CUDA it is copied into pinned memory and sent with ``non_blocking=True`` (torch's
+    pinned allocator keeps the buffer until the copy is done); elsewhere the same call is a no-op
+    (pinning needs a GPU). A blocking ``.to(device)`` from pageable memory would wait for the
+    stream: tests/engine/test_ep_host_syncs.py counts it."""
+    if device.type == "cuda" and not host.is_pinned():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 class RouterExchange(ABC):
     """A router's side of every layer of every step, over the deployment's one group.
 
@@ -174,16 +185,16 @@ class RouterExchange(ABC):
         if self.layout.num_routers == 1:
             return active
         tag = "step begin"
-        mine = torch.tensor([int(active), tag_checksum(tag)], dtype=torch.int64).to(self.device)
+        mine = to_device(torch.tensor([int(active), tag_checksum(tag)], dtype=torch.int64), self.device)
         others = [rank for rank in self.layout.router_ranks if rank != self.router_index]
-        received = [torch.empty(2, dtype=torch.int64, device=self.device) for _ in others]
-        self.comm.transfer([(rank, mine) for rank in others], list(zip(others, received)), tag=tag,
-                           timeout_s=timeout_s)
-        flags = torch.stack(received).cpu() if received else torch.zeros(0, 2, dtype=torch.int64)
-        for rank, (_, checksum) in zip(others, flags.tolist()):
+        received = torch.empty(len(others), 2, dtype=torch.int64, device=self.device)
+        self.comm.transfer([(rank, mine) for rank in others], [(rank, received[i]) for i, rank in enumerate(others)],
+                           tag=tag, timeout_s=timeout_s)
+        flags = received.tolist()  # the step's one host read of the flags (after the transfer's wait)
+        for rank, (_, checksum) in zip(others, flags):
             if checksum != tag_checksum(tag):
                 raise CollectiveMismatch(tag=tag, peer=rank, world_size=self.layout.world_size)
-        return active or bool(flags[:, 0].any())
+        return active or any(flag for flag, _ in flags)
 
 
 @dataclass(frozen=True)

@@ -226,10 +226,99 @@ def validate_unique_id(unique_id: Sequence[int]) -> tuple[int, ...]:
     return values
 
 
+def _cupy_event():
+    cupy, _ = import_cupy_nccl()
+    return cupy.cuda.Event(disable_timing=True)
+
+
+class EventPool:
+    """Completion events reused across collectives instead of two new ones per collective.
+    ``take`` gives a free one (made by ``make`` when none is free); ``give`` returns one whose
+    last record nothing waits for on the host any more (a stream's ``wait_event`` is captured
+    when it is enqueued, so an event may be recorded again right after). An event of a group
+    that failed is never given back."""
+
+    def __init__(self, make: Callable[[], object]):
+        self._make = make
+        self._free: list = []
+        self.created = 0
+
+    def take(self):
+        try:
+            return self._free.pop()  # (list.pop and append are atomic: threads may share a pool)
+        except IndexError:
+            self.created += 1
+            return self._make()
+
+    def give(self, event) -> None:
+        self._free.append(event)
+
+
+class IssueWatchdog:
+    """One long-lived thread per communicator that calls ``callback(*args)`` when an armed
+    deadline passes before :meth:`disarm` (a group stuck in ``groupEnd``), replacing a
+    ``threading.Timer`` (a new thread) per collective. Arming and disarming take a lock and, at
+    most, wake the thread when it sleeps with nothing armed or until a later time; in steady
+    state the thread wakes once per deadline period, not per collective. The callback runs
+    without the lock (it aborts, bounded)."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._condition = threading.Condition()
+        self._armed: tuple[float, Callable, tuple] | None = None  # (due, callback, args)
+        self._waiting_until: float | None = None  # what the thread sleeps until (None: until armed)
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self.threads_started = 0
+        self.fired = 0
+
+    def arm(self, after_s: float, callback: Callable, *args) -> None:
+        due = time.monotonic() + after_s
+        with self._condition:
+            if self._stopped:
+                return
+            self._armed = (due, callback, args)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self.threads_started += 1
+                self._thread.start()
+            elif self._waiting_until is None or due < self._waiting_until:
+                self._condition.notify()
+
+    def disarm(self) -> None:
+        with self._condition:
+            self._armed = None  # the thread finds nothing due when it next wakes
+
+    def stop(self) -> None:
+        with self._condition:
+            self._stopped, self._armed = True, None
+            self._condition.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                if self._stopped:
+                    return
+                if self._armed is None:
+                    self._waiting_until = None
+                    self._condition.wait()
+                    continue
+                due, callback, args = self._armed
+                remaining = due - time.monotonic()
+                if remaining > 0:
+                    self._waiting_until = due
+                    self._condition.wait(remaining)
+                    continue  # re-check: disarmed, re-armed or due now
+                self._armed = None
+                self.fired += 1
+            callback(*args)
+
+
 class NcclCommunicator(PointToPointCommunicator):
     """One GPU rank of an NCCL group: the transport under `PointToPointCommunicator`."""
 
     backend_name = "nccl"
+    device_ordered = True  # transfer(wait=False): torch's stream waits for the group, not the host
 
     def __init__(
         self,
@@ -251,6 +340,9 @@ class NcclCommunicator(PointToPointCommunicator):
         self._handle_lock = threading.Lock()
         self.abort_bound_s = ABORT_BOUND_S
         self.aborts_hung = 0  # aborts that outlived their bound (the process normally ends at the first)
+        # Reused by every collective: completion events from a pool, one watchdog thread.
+        self._events = EventPool(lambda: _cupy_event())
+        self._watchdog_thread = IssueWatchdog(f"raymoe-nccl-watchdog-r{rank}")
 
     @classmethod
     def create(
@@ -312,6 +404,7 @@ class NcclCommunicator(PointToPointCommunicator):
     def _teardown(self, abort: bool) -> None:
         # Runs under the issue lock (p2p.close/abort): bounded, so that lock is held at most
         # abort_bound_s even when ncclCommAbort blocks.
+        self._watchdog_thread.stop()
         nccl_comm = self._take_handle()
         if nccl_comm is None:
             return
@@ -324,24 +417,27 @@ class NcclCommunicator(PointToPointCommunicator):
             pass
 
     def _post(self, sends: list[Message], recvs: list[Message], tag: str):
-        """Steps: 1. order after torch's stream, 2. one group of sends/receives, watched."""
+        """Steps: 1. order after torch's stream, 2. one group of sends/receives, watched.
+        Returns the group's completion event (from this communicator's pool, given back once
+        waited for, on the host or by torch's stream)."""
         cupy, nccl = import_cupy_nccl()
         deadline = Deadline(self.timeout_s)
         nccl_comm = self._nccl_comm  # one read: the watchdog may take it out while this issues
         if nccl_comm is None:
             raise self._broken(CommError(f"collective {tag!r}: the communicator was aborted. {RECOVERY_HINT}"))
         with cupy.cuda.Device(self.device.index):
-            # 1. The dedicated stream waits for work already queued on torch's current stream.
+            # 1. The dedicated stream waits for work already queued on torch's current stream
+            #    (the wait is enqueued now, so the event can go back to the pool at once).
             torch_stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(self.device).cuda_stream)
-            inputs_ready = cupy.cuda.Event(disable_timing=True)
+            inputs_ready = self._events.take()
             inputs_ready.record(torch_stream)
             self._stream.wait_event(inputs_ready)
+            self._events.give(inputs_ready)
             # 2. Messages between a pair are matched in issue order; bytes move as uint8.
-            # The first contact of a pair connects inside groupEnd and can hang: a watchdog
-            # aborts the communicator if the group is not issued before the deadline.
-            watchdog = threading.Timer(max(deadline.remaining_s(), MINIMUM_WATCHDOG_S), self._watchdog, (tag,))
-            watchdog.daemon = True
-            watchdog.start()
+            # The first contact of a pair connects inside groupEnd and can hang: the
+            # communicator's one watchdog thread aborts it if the group is not issued before
+            # the deadline (armed here, disarmed below: no thread per collective).
+            self._watchdog_thread.arm(max(deadline.remaining_s(), MINIMUM_WATCHDOG_S), self._watchdog, tag)
             try:
                 nccl.groupStart()
                 try:
@@ -358,8 +454,8 @@ class NcclCommunicator(PointToPointCommunicator):
                     f"collective {tag!r}: NCCL failed to issue the group ({type(error).__name__}: {error}). "
                     f"{RECOVERY_HINT}")) from error
             finally:
-                watchdog.cancel()
-            finished = cupy.cuda.Event(disable_timing=True)
+                self._watchdog_thread.disarm()
+            finished = self._events.take()
             finished.record(self._stream)
             # Even if the wait gives up, torch must not reuse these buffers before the
             # dedicated stream is done with them.
@@ -367,6 +463,14 @@ class NcclCommunicator(PointToPointCommunicator):
             for message in [*sends, *recvs]:
                 message.buffer.record_stream(comm_stream)
         return finished
+
+    def _order_after(self, finished, deadline: Deadline, tag: str) -> None:
+        """``transfer(..., wait=False)``: torch's current stream waits for the group (a device-side
+        wait, enqueued now; the host goes on), and the event goes back to the pool."""
+        cupy, _ = import_cupy_nccl()
+        with cupy.cuda.Device(self.device.index):
+            cupy.cuda.ExternalStream(torch.cuda.current_stream(self.device).cuda_stream).wait_event(finished)
+        self._events.give(finished)
 
     def _watchdog(self, tag: str) -> None:
         """Runs on a timer thread while the issuing thread may be stuck in groupEnd: abort
@@ -426,6 +530,7 @@ class NcclCommunicator(PointToPointCommunicator):
                 self.abort()
                 raise failure from error
             time.sleep(POLL_INTERVAL_S)
+        self._events.give(finished)  # done: the next group may record it again
 
 
 def cuda_device(device: torch.device | int | None) -> torch.device:

@@ -70,6 +70,10 @@ class PointToPointCommunicator:
 
     backend_name = "p2p"
     native_routines = False  # whether run_native lends native code this transport (sockets.py: yes)
+    # Whether ``transfer(..., wait=False)`` can leave the wait to the device (NCCL: torch's stream
+    # waits on the group's completion event). Host transports (gloo, sockets) move the bytes on
+    # the host, so they always wait there.
+    device_ordered = False
 
     def __init__(self, *, rank: int, world_size: int, timeout_s: float) -> None:
         validate_group(rank, world_size)
@@ -90,6 +94,11 @@ class PointToPointCommunicator:
         raise NotImplementedError
 
     def _teardown(self, abort: bool) -> None:
+        raise NotImplementedError
+
+    def _order_after(self, pending: Any, deadline: Deadline, tag: str) -> None:
+        """``device_ordered`` transports: make later device work wait for ``pending`` without
+        the host waiting (``transfer(..., wait=False)``)."""
         raise NotImplementedError
 
     def _check_device(self, tensor: torch.Tensor, tag: str) -> None:
@@ -150,12 +159,20 @@ class PointToPointCommunicator:
         *,
         tag: str,
         timeout_s: float | None = None,
+        wait: bool = True,
     ) -> None:
         """Send ``sends`` and fill ``recvs`` (``(peer, tensor)`` pairs), then wait for all.
 
         Tensors must be contiguous; a message to or from this rank is a local copy. The k-th
         message between two ranks must have the same size on both sides. ``timeout_s``
         overrides the communicator's deadline for this call (e.g. an idle wait).
+
+        ``wait=False``: the caller needs the result on the device only (rows the experts read,
+        sums sent back), so a ``device_ordered`` transport (NCCL) makes torch's current stream
+        wait for the batch instead of the host: no host sync. The batch's failure or hang then
+        surfaces at the next waited transfer of this communicator (its messages are issued on
+        one stream, in order, so that one cannot complete first), under that one's deadline.
+        Host transports wait anyway.
         """
         self._check_usable(tag)
         deadline = Deadline(self.timeout_s if timeout_s is None else timeout_s)
@@ -186,7 +203,10 @@ class PointToPointCommunicator:
         with self._issue_lock:
             self._check_usable(tag)
             pending = self._post(remote_sends, remote_recvs, tag)
-        self._wait(pending, deadline, tag)
+        if wait or not self.device_ordered:
+            self._wait(pending, deadline, tag)
+        else:
+            self._order_after(pending, deadline, tag)
 
     def _check_peer(self, peer: int, tag: str) -> None:
         if not 0 <= peer < self.world_size:
