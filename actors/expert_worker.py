@@ -39,6 +39,7 @@ from raymoe.engine.engine import resolve_dtype
 from raymoe.actors.cpu_affinity import pin_current_thread
 from raymoe.actors.devices import actor_cuda_device
 from raymoe.engine.exchange.ep_exchange import GroupLayout, WorkerExchange, worker_exchange
+from raymoe.engine.experts import warm_up_experts
 from raymoe.engine.host_memory import allocator_in_use, keep_freed_memory
 from raymoe.engine.weights import load_expert_stack, read_expert_into
 from raymoe.kernels import native_cpu, packed_linear
@@ -177,6 +178,11 @@ class ExpertWorker:
         # The kernel its experts run on (kernels/expert_mlp.py), built now rather than in the first step.
         self.expert_kernel = kernel_name(torch.empty(1, self.config.hidden_size, dtype=self.dtype,
                                                                     device=self.device), self.w13[0], self.w2[0])
+        # Every layer shape's experts run once now (issue 34 item 5): first-call costs (packed
+        # weights, oneDNN primitives, cuBLAS / grouped GEMM set-up) are paid before join() can
+        # be called, not inside the group's first step under the workers' deadline.
+        self.warm_up = warm_up_experts(self.w13, self.w2, self.config.top_k,
+                                       self.executor if self.device.type == "cpu" else None)
 
     def load_placement(self, placement: dict[str, Any]) -> dict[str, Any]:
         """(Re)load this worker's experts for ``placement`` from the checkpoint, forgetting older epochs.
@@ -290,6 +296,7 @@ class ExpertWorker:
             "pinned_core": self.pinned_core,
             "allocator": allocator_in_use(),  # cpu.allocator (engine/host_memory.py)
             "expert_kernel": self.expert_kernel,  # native-avx512, onednn or torch (kernels/expert_mlp.py)
+            "warm_up": self.warm_up,  # per expert shape: run once before joining (engine/experts.py)
             "niceness": os.nice(0),
             "epochs": sorted(self.slot_rows),
             "experts": self.experts[latest] if latest is not None else [],
