@@ -196,7 +196,7 @@ class PythonWorkerExchange(WorkerExchange):
                 message = torch.empty(total * self.activation_bytes + TRAILER_BYTES, dtype=torch.uint8)
                 if total:
                     message[:-TRAILER_BYTES].view(self.dtype).view(total, -1).copy_(partial)
-            message[-TRAILER_BYTES:].numpy()[:] = memoryview(trailer)
+            message[-TRAILER_BYTES:].copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8))  # (host: no sync)
             sends.append((0, message))
         else:
             trailer = to_device(torch.frombuffer(bytearray(trailer), dtype=torch.uint8), self.device)

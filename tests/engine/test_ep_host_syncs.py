@@ -240,3 +240,110 @@ def test_the_counter_sees_a_bincount_or_a_blocking_copy_added_to_a_layer(in_proc
     assert counter.kinds["router layer"]["bincount"] == len(counter.counts["router layer"])
     assert max(counter.counts["worker headers"]) + max(counter.counts["worker rows"]) == WORKER_LAYER_BUDGET + 1
     assert counter.kinds["worker rows"]["to(device)"] == len(counter.counts["worker rows"])
+
+
+# ---- one layer of each side, counted by the device (GPU) or by SyncCounter (here) -------------
+
+class Relay:
+    """Stands in for the communicator of a 1 router x 1 worker group: records what is sent and
+    fills receives from ``inbox`` (zeros when empty), all on the device; counts the transfers
+    the host would wait for (``wait`` True: on NCCL a poll of the group's completion event,
+    which ``set_sync_debug_mode`` does not see)."""
+
+    timeout_s = 5.0
+
+    def __init__(self):
+        self.sent: list[torch.Tensor] = []
+        self.inbox: list[torch.Tensor] = []
+        self.waited = 0
+
+    def transfer(self, sends, recvs, *, tag, timeout_s=None, wait=True):
+        self.waited += int(wait)
+        for _, tensor in sends:
+            self.sent.append(tensor.clone())
+        for _, tensor in recvs:
+            target = tensor.reshape(-1).view(torch.uint8)
+            if self.inbox:
+                target.copy_(self.inbox.pop(0).reshape(-1).view(torch.uint8))
+            else:
+                target.zero_()
+
+
+def count_device_syncs(device: torch.device, function, monkeypatch) -> tuple[int, object]:
+    """``function()``'s host syncs: on CUDA the warnings of ``torch.cuda.set_sync_debug_mode("warn")``
+    (every synchronising CUDA call torch makes), elsewhere :class:`SyncCounter`'s count."""
+    if device.type == "cuda":
+        import warnings
+
+        torch.cuda.synchronize(device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                result = function()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught), result
+    with monkeypatch.context() as patch:
+        counter = SyncCounter()
+        counter.install(patch)
+        result = counter.scoped("call", function)()
+    return counter.counts["call"][0] - counter.kinds["call"]["transfer(wait)"], result  # waits: Relay's
+
+
+def one_layer_each_side(device: torch.device, monkeypatch) -> dict[str, int]:
+    """A layer planned on the device (moe/exchange_plan.py::plan_exchange, the GPU path), its
+    router side (PythonRouterExchange.exchange), then its worker side (receive_headers,
+    serve_layer: bfloat16, the path a GPU worker runs), each counted."""
+    from raymoe.engine.exchange.python_sides import PythonRouterExchange
+    from raymoe.kernels.comm.wire import GroupLayout
+    from raymoe.moe.exchange_plan import plan_exchange
+
+    torch.manual_seed(0)
+    T, D, I, E, S, k = 6, 64, 32, 4, 4, 2
+    dtype = torch.bfloat16
+    layout = GroupLayout(1, (0,))
+    hidden = torch.randn(T, D, dtype=dtype, device=device)
+    topk_ids = torch.randint(0, E, (T, k), device=device)
+    topk_weights = torch.rand(T, k, device=device)
+    log2phy = torch.arange(E, device=device).view(E, 1)
+    logcnt = torch.ones(E, dtype=torch.int64, device=device)
+    counts = {}
+    counts["planner"], plan = count_device_syncs(device, lambda: plan_exchange(
+        topk_ids, topk_weights, None, log2phy, logcnt, S, 1), monkeypatch)
+    router_comm = Relay()
+    router = PythonRouterExchange(router_comm, layout, 0, 1, S, k, D, dtype, device)
+    counts["router exchange"], _ = count_device_syncs(device, lambda: router.exchange(0, plan, hidden, 0), monkeypatch)
+    counts["router exchange"] += router_comm.waited
+    worker_comm = Relay()
+    worker_comm.inbox = list(router_comm.sent)  # the header, then the rows
+    worker = PythonWorkerExchange(worker_comm, layout, S, D, k, dtype, device, None, intermediate_size=I)
+    w13 = torch.randn(S, 2 * I, D, dtype=dtype, device=device) * 0.1
+    w2 = torch.randn(S, D, I, dtype=dtype, device=device) * 0.1
+    pool_rows = {0: (list(range(S)), torch.arange(S, device=device))}
+    counts["worker headers"], headers = count_device_syncs(device, lambda: worker.receive_headers(0), monkeypatch)
+    counts["worker headers"] += worker_comm.waited
+    waited = worker_comm.waited
+    counts["worker rows"], result = count_device_syncs(
+        device, lambda: worker.serve_layer(0, headers, w13, w2, pool_rows), monkeypatch)
+    counts["worker rows"] += worker_comm.waited - waited
+    assert result.rows == plan.num_rows and len(worker_comm.sent) == 1  # the sums and trailer went back
+    return counts
+
+
+def check_one_layer_counts(counts: dict[str, int]) -> None:
+    print("host syncs of one layer:", counts)
+    # The router's exchange: the layer's waited transfer only (headers go pinned, non-blocking).
+    # Its planner's syncs (moe/exchange_plan.py: the counts' host read, bincount's) add to it.
+    assert counts["router exchange"] <= 1
+    assert counts["worker headers"] <= 2 and counts["worker rows"] == 0
+
+
+def test_one_layer_each_side_counted_here(monkeypatch):
+    check_one_layer_counts(one_layer_each_side(torch.device("cpu"), monkeypatch))
+
+
+@pytest.mark.gpu
+def test_one_layer_each_side_counted_by_the_device(monkeypatch):
+    """The same layer on a GPU, counted by ``torch.cuda.set_sync_debug_mode("warn")``."""
+    check_one_layer_counts(one_layer_each_side(torch.device("cuda", torch.cuda.current_device()), monkeypatch))
