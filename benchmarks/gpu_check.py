@@ -16,7 +16,9 @@ NCCL call that never returns) is caught by its budget and hides none of the othe
      grouped path must run (its two calls counted), and a grouped GEMM error FAILs the check
   e  ``raymoe.engine.experts.combine_partials`` bitwise deterministic over 20 runs (bf16)
   f  host syncs in one decode step of the engine on CUDA, in all and inside the MoE layers
-     (per layer), as CUDA's sync debug mode sees them (informational)
+     (per layer), as CUDA's sync debug mode sees them; and one expert-parallel layer of each
+     side (planner, router exchange, worker headers, worker rows: bf16, a relay for the
+     communicator, tests/engine/test_ep_host_syncs.py::one_layer_each_side) (informational)
   g  NCCL for real: ``NcclCommunicator.loopback`` sends to this rank and receives from it in
      one group (groupStart / send / recv / groupEnd, each call counted), the bytes equal; a
      real abort within its bound; an abort that never returns given up at its bound (a
@@ -686,8 +688,22 @@ def check_host_syncs(smoke: bool, budget_s: float) -> dict:
         log(f"  {count:4d}  {where}")
     if smoke:
         log("(cpu smoke: set_sync_debug_mode needs CUDA, so nothing is counted)")
+    ep_layer: dict | str = {}
+    try:  # one expert-parallel layer per side, counted the same way (CPU smoke: the CPU counter)
+        import pytest
+
+        sys.path.insert(0, str(REPO))
+        from tests.engine.test_ep_host_syncs import one_layer_each_side
+
+        with pytest.MonkeyPatch.context() as patch:
+            ep_layer = one_layer_each_side(torch.device(device), patch)
+        log(f"expert-parallel layer (sync-debug warnings + waited transfers): {ep_layer}")
+    except Exception as error:  # informational: report, do not fail the check
+        ep_layer = f"{type(error).__name__}: {error}"
+        log(f"expert-parallel layer not counted: {ep_layer}")
     return result("INFO", f"{decode_syncs} host syncs in one decode step of {decode_seqs} sequences, "
-                          f"{per_layer:.1f} per MoE layer (prefill: {prefill_syncs})",
+                          f"{per_layer:.1f} per MoE layer (prefill: {prefill_syncs}); EP layer: {ep_layer}",
+                  ep_layer_syncs=ep_layer,
                   decode_sequences=decode_seqs, decode_syncs=decode_syncs, decode_syncs_in_moe_layers=decode_in_layers,
                   moe_layers=num_moe_layers, decode_syncs_per_moe_layer=per_layer, decode_sync_places=dict(top),
                   prefill_sequences=prefill_seqs, prefill_syncs=prefill_syncs,
