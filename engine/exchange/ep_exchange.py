@@ -16,9 +16,12 @@ over every router's rows. Per MoE layer, two exchanges:
    checksum). The router knows the row count, so it posts these receives together with its
    dispatch sends: one round trip per layer on the router.
 
-The worker reads the header first (its one host sync per layer on a GPU: the slot counts in
-it size the grouped GEMM), then the rows. The router's one host sync per layer is its plan's
-counts; it reads the trailers once per step.
+The worker reads the header first (its 2 host syncs per layer on a GPU: the wait for the headers
+and their one read; the slot counts in them size the grouped GEMM), then the rows and sends the
+sums without a host wait (``transfer(..., wait=False)``: on NCCL torch's stream waits). The
+router's per layer are its plan's counts and the layer's transfer (plus, on a GPU, the planner's
+``torch.bincount``); it reads the trailers once per step. tests/engine/test_ep_host_syncs.py
+counts them.
 A header of kind IDLE in the first layer's place says "no step": routers send it now and
 then while nobody has work, so a worker waiting for a step never waits past its deadline
 for a live group. Every wait has a deadline that names the layer and, where the backend can
