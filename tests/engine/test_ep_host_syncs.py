@@ -1,13 +1,38 @@
-"""The exchange's host round trips, counted, over a real gloo group of real Router and
-ExpertWorker objects in this process (2 routers x 2 workers, threads instead of actors).
+"""The exchange's host syncs, counted as a GPU would see them, over a real gloo group of real
+Router and ExpertWorker objects in this process (2 routers x 2 workers, threads instead of actors);
+and one layer of each side through the GPU path's code, counted here and, on a GPU, by the device.
 
-A host conversion (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``, ``int()``,
-``float()``, ``bool()`` of a tensor) is a device synchronisation on a GPU. The budget: at
-most one per MoE layer on each side (the router's plan counts; the worker's headers), and at
-most two per step outside the layers on the router (the combine trailers; telemetry counts).
-Counting the calls on the CPU is what makes the budget testable without a GPU: a change that
-adds a conversion to the layer path fails here. The same run checks the outputs against the
-in-process engine.
+What counts as a host sync (``SyncCounter``), and why: each call below, made on a CUDA tensor or
+towards a CUDA device, stops the host until the GPU has caught up (or, for the last two, puts
+the host's scheduler on the layer's path). On this CPU-only machine the same calls run on CPU
+tensors, so the counter counts the *calls* on the path the GPU takes too:
+1. tensor -> host conversions: ``.item() .tolist() .cpu() .numpy()``, ``int() float() bool()`` of
+   a tensor (a device-to-host copy and a stream wait);
+2. ``torch.bincount`` (function or method): on CUDA it reads the input's max on the host to size
+   its output, with or without ``minlength``;
+3. host data to a device through ``torch.tensor(..., device=)`` / ``torch.as_tensor(..., device=)``
+   (a blocking copy from pageable memory);
+4. ``Tensor.to(<a device>)`` and ``.cuda()`` without ``non_blocking=True`` (blocking when the
+   tensor is on the host; a tensor already on the device is not copied, so this is an upper
+   bound), and ``copy_`` across devices without ``non_blocking`` (never seen here: both sides
+   are the host);
+5. ``torch.cuda.synchronize``, ``Event.synchronize``, ``Stream.synchronize``;
+6. every ``PointToPointCommunicator.transfer`` the host waits for (``wait=True``, the default):
+   on NCCL the host polls the group's completion event, a wait for the device;
+   ``wait=False`` (the device waits: torch's stream on the event) does not count;
+7. ``threading.Thread.start`` (a thread per collective, NCCL's old watchdog ``Timer``).
+Not seen here: syncs inside torch ops that a CPU build does not make (``nonzero``, boolean
+masks, ``repeat_interleave`` without an output size...): the gpu-marked test counts with
+``torch.cuda.set_sync_debug_mode("warn")``, which sees those but not 6 (cupy's event poll), so
+it adds the waited transfers itself.
+
+The budget, measured in docs/BENCHMARKS.md ("Host syncs per MoE layer"): at most 2 per MoE layer
+on each side (the router: its plan's counts and the layer's transfer; the worker: the headers'
+transfer and their one read, which sizes the grouped GEMM; its rows and sums: none), and 2 per
+step outside the layers on the router (step begin: the flags' transfer and read; step end: the
+empty layers' transfer and one read of every trailer). The counter can fail: a self-test adds a
+bincount to the router's layer and a blocking copy to the worker's. The same runs check the
+outputs against the in-process engine.
 """
 
 from __future__ import annotations
