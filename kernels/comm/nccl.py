@@ -477,6 +477,7 @@ class NcclCommunicator(PointToPointCommunicator):
         the handle directly (the issue lock is held by that thread) so that groupEnd returns;
         bounded like every abort."""
         self._broken(CollectiveTimeout(tag=tag, timeout_s=self.timeout_s, peer=None, world_size=self.world_size))
+        self._watchdog_thread.stop()  # (this thread ends after this call: nothing more to watch)
         self._abort_handle(self._take_handle(), f"rank {self.rank} of {self.world_size}: collective {tag!r} "
                                                 f"not issued before its deadline")
 
