@@ -178,7 +178,7 @@ class ExpertWorker:
         # The kernel its experts run on (kernels/expert_mlp.py), built now rather than in the first step.
         self.expert_kernel = kernel_name(torch.empty(1, self.config.hidden_size, dtype=self.dtype,
                                                                     device=self.device), self.w13[0], self.w2[0])
-        # Every layer shape's experts run once now (issue 34 item 5): first-call costs (packed
+        # Every layer's experts run once now (issue 34 item 5): first-call costs (packed
         # weights, oneDNN primitives, cuBLAS / grouped GEMM set-up) are paid before join() can
         # be called, not inside the group's first step under the workers' deadline.
         self.warm_up = warm_up_experts(self.w13, self.w2, self.config.top_k,

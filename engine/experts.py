@@ -179,23 +179,19 @@ class LocalExperts:
 
 def warm_up_experts(w13s: list[torch.Tensor], w2s: list[torch.Tensor], top_k: int,
                     executor: Executor | None = None) -> list[dict]:
-    """Run a worker's experts once per distinct layer shape, before it joins its group (issue 34,
-    item 5), so that first-call costs (the native library's packed weights, oneDNN's primitives,
-    cuBLAS / ``torch._grouped_mm`` set-up on a GPU) are paid here and not inside the group's
-    first step, under the workers' deadline. One row per pool row (every expert of the pool
-    runs once, position 0 of the row; the other positions run nowhere), through the same calls
-    serving makes: :func:`run_rows` (the grouped SwiGLU) and, where the native kernels take the
-    experts (float32 CPU), ``raymoe_run_rows`` on the wire's packed rows as well. On a GPU the
-    device is synchronised at the end, so the work has really run. Returns one record per shape
-    (``shape``, ``dtype``, ``seconds``)."""
-    done: list[dict] = []
-    seen: set = set()
+    """Run a worker's experts once, every layer, before it joins its group (issue 34, item 5), so
+    that first-call costs are paid here and not inside the group's first step, under the workers'
+    deadline: per shape, cuBLAS and ``torch._grouped_mm`` set-up on a GPU, oneDNN's primitives;
+    per layer, the native kernels' packed weights (kernels/weight_cache.py keeps one layout per
+    stack). One row per pool row (every expert of the pool runs once, at the row's position 0;
+    the other positions run nowhere), through the calls serving makes: :func:`run_rows` (the
+    grouped SwiGLU) and, where the native kernels take the experts (float32 CPU),
+    ``raymoe_run_rows`` on the wire's packed rows too. On a GPU the device is synchronised at the
+    end, so the work has really run. Returns one record per distinct shape (``shape``,
+    ``dtype``, ``layers``, ``seconds``)."""
+    records: dict[tuple, dict] = {}
     with torch.inference_mode():
         for w13, w2 in zip(w13s, w2s):
-            key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, w13.device)
-            if key in seen:
-                continue
-            seen.add(key)
             started = time.perf_counter()
             pool, hidden, device = w13.shape[0], w13.shape[2], w13.device
             rows = torch.zeros(pool, hidden, dtype=w13.dtype, device=device)
@@ -209,6 +205,10 @@ def warm_up_experts(w13s: list[torch.Tensor], w2s: list[torch.Tensor], top_k: in
                 native_cpu.run_rows(payload, top_k, torch.arange(pool).view(1, -1), [pool], w13, w2, pool)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            done.append({"shape": [list(w13.shape), list(w2.shape)], "dtype": str(w13.dtype).replace("torch.", ""),
-                         "seconds": time.perf_counter() - started})
-    return done
+            key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, device)
+            record = records.setdefault(key, {"shape": [list(w13.shape), list(w2.shape)],
+                                              "dtype": str(w13.dtype).replace("torch.", ""), "layers": 0,
+                                              "seconds": 0.0})
+            record["layers"] += 1
+            record["seconds"] += time.perf_counter() - started
+    return list(records.values())

@@ -6,7 +6,8 @@ oneDNN's primitives; cuBLAS and ``torch._grouped_mm`` set-up on a GPU). Inside t
 step that cost lands under every worker's deadline, so the worker's constructor runs
 ``engine/experts.py::warm_up_experts`` (one row per pool row through the serving calls) before
 ``join`` can be called. These tests check the order (warm-up, then join), that every expert of
-every distinct shape ran, and that the warm-up leaves the weights and the outputs alone.
+every layer ran once (the native kernels' packed weights are per layer), and that the warm-up
+leaves the weights and the outputs alone.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def test_the_experts_warm_up_in_the_constructor_before_any_join(tiny_mixtral_dir
     worker = ExpertWorker(0, tiny_mixtral_dir, "float32", "cpu", placement_for(tiny_mixtral_dir))
     assert events == ["warm-up"]
     assert worker.exchange is None  # not in any group yet
-    # the tiny model's MoE layers share one shape: warmed once
-    assert len(worker.warm_up) == 1
+    # the tiny model's MoE layers share one shape: one record, every layer run
+    assert len(worker.warm_up) == 1 and worker.warm_up[0]["layers"] == len(worker.w13)
     assert worker.warm_up[0]["shape"] == [list(worker.w13[0].shape), list(worker.w2[0].shape)]
     assert worker.warm_up[0]["seconds"] > 0
     with pytest.raises(RuntimeError, match="stop here"):
@@ -58,7 +59,7 @@ def test_the_experts_warm_up_in_the_constructor_before_any_join(tiny_mixtral_dir
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_warm_up_runs_every_expert_of_each_shape_once_and_changes_nothing(monkeypatch, dtype):
+def test_the_warm_up_runs_every_expert_of_every_layer_once_and_changes_nothing(monkeypatch, dtype):
     torch.manual_seed(0)
     pool, hidden, intermediate, top_k = 4, 64, 32, 2
     w13 = [torch.randn(pool, 2 * intermediate, hidden, dtype=dtype) * 0.1 for _ in range(3)]
@@ -80,8 +81,8 @@ def test_the_warm_up_runs_every_expert_of_each_shape_once_and_changes_nothing(mo
 
     monkeypatch.setattr(experts_module, "run_rows", recorded)
     report = warm_up_experts(w13, w2, top_k)
-    assert [entry["shape"][0][0] for entry in report] == [pool, pool + 1]
+    assert [(entry["shape"][0][0], entry["layers"]) for entry in report] == [(pool, 3), (pool + 1, 1)]
     assert all(entry["dtype"] == str(dtype).replace("torch.", "") for entry in report)
-    assert calls == [(pool, [1] * pool, list(range(pool))), (pool + 1, [1] * (pool + 1), list(range(pool + 1)))]
+    assert calls == [(pool, [1] * pool, list(range(pool)))] * 3 + [(pool + 1, [1] * (pool + 1), list(range(pool + 1)))]
     assert all(torch.equal(a, b) for a, b in zip(before, w13 + w2))
     assert torch.equal(run_rows(rows, row_pool, row_weights, w13[0], w2[0], pool_counts)[0], expected)
