@@ -58,7 +58,7 @@ def choose_slots(topk_ids: torch.Tensor, kept: torch.Tensor | None, log2phy: tor
         num_experts = log2phy.shape[0]
         key = flat if kept is None else torch.where(kept.reshape(-1), flat, num_experts)
         order = torch.argsort(key, stable=True)
-        counts = torch.bincount(key, minlength=num_experts + 1)
+        counts = _counts(key, num_experts + 1)
         starts = torch.cumsum(counts, 0) - counts
         rank_sorted = torch.arange(flat.numel(), device=flat.device) - starts[key[order]]
         rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
@@ -94,7 +94,7 @@ def plan_exchange(
     present[cell] = True
     present = present[:sink]
     num_slots = num_workers * slots_per_worker
-    slot_counts = torch.bincount(torch.where(valid, slot, num_slots).reshape(-1), minlength=num_slots + 1)
+    slot_counts = _counts(torch.where(valid, slot, num_slots).reshape(-1), num_slots + 1)
     counts = torch.cat([present.view(num_workers, num_tokens).sum(dim=1), slot_counts[:num_slots]]).tolist()
     send_counts, slot_counts = counts[:num_workers], counts[num_workers:]  # the one host sync, above
     cells = torch.nonzero_static(present, size=sum(send_counts)).squeeze(1)  # [N]
@@ -174,3 +174,10 @@ def plan_exchange_on_host(
     row_weights = np.where(mine, weights[row_token], 0.0).astype(np.float32)
     return ExchangePlan(num_tokens, num_workers, torch.from_numpy(slot), send_counts, slot_counts,
                         torch.from_numpy(row_token), torch.from_numpy(row_slots), torch.from_numpy(row_weights))
+
+
+def _counts(values: torch.Tensor, size: int) -> torch.Tensor:
+    """``torch.bincount(values, minlength=size)`` for values in ``[0, size)``, without its host
+    sync on a GPU (bincount reads the maximum back to size its output): a scatter-add."""
+    index = values.reshape(-1).long()
+    return torch.zeros(size, dtype=torch.long, device=values.device).scatter_add_(0, index, torch.ones_like(index))

@@ -47,10 +47,12 @@ class Communicator(Protocol):
 
     # ---- the data plane -----------------------------------------------------------------
     def transfer(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]], *,
-                 tag: str, timeout_s: float | None = None) -> None:
+                 tag: str, timeout_s: float | None = None, wait: bool = True) -> None:
         """Send ``sends`` and fill ``recvs`` (``(peer, tensor)`` pairs, contiguous tensors), then
         wait for all under one deadline (``timeout_s``, else the communicator's). The k-th
-        message between two ranks has the same size on both sides."""
+        message between two ranks has the same size on both sides. ``wait=False``: the caller
+        needs the result on the device only; a device-ordered transport (NCCL) then orders
+        torch's stream after the batch instead of waiting on the host (kernels/comm/p2p.py)."""
         ...
 
     def run_native(self, peers: list[int], tag: str, routine: Callable[..., Any]) -> Any:
