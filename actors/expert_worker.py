@@ -39,7 +39,7 @@ from raymoe.engine.engine import resolve_dtype
 from raymoe.actors.cpu_affinity import pin_current_thread
 from raymoe.actors.devices import actor_cuda_device
 from raymoe.engine.exchange.ep_exchange import GroupLayout, WorkerExchange, worker_exchange
-from raymoe.engine.experts import warm_up_experts
+from raymoe.engine.exchange.worker_warm_up import warm_up_experts
 from raymoe.engine.host_memory import allocator_in_use, keep_freed_memory
 from raymoe.engine.weights import load_expert_stack, read_expert_into
 from raymoe.kernels import native_cpu, packed_linear

@@ -4,7 +4,7 @@ runs on any machine.
 The first call of an expert kernel pays one-time costs (the native library's packed weights,
 oneDNN's primitives; cuBLAS and ``torch._grouped_mm`` set-up on a GPU). Inside the group's first
 step that cost lands under every worker's deadline, so the worker's constructor runs
-``engine/experts.py::warm_up_experts`` (one row per pool row through the serving calls) before
+``engine/exchange/worker_warm_up.py::warm_up_experts`` (one row per pool row through the serving calls) before
 ``join`` can be called. These tests check the order (warm-up, then join), that every expert of
 every layer ran once (the native kernels' packed weights are per layer), and that the warm-up
 leaves the weights and the outputs alone.
@@ -18,7 +18,9 @@ import torch
 import raymoe.actors.expert_worker as worker_module
 import raymoe.engine.experts as experts_module
 from raymoe.actors.expert_worker import ExpertWorker
-from raymoe.engine.experts import run_rows, warm_up_experts
+from raymoe.engine.experts import run_rows
+from raymoe.engine.exchange import worker_warm_up as warm_up_module
+from raymoe.engine.exchange.worker_warm_up import warm_up_experts
 from raymoe.engine.hf_config import load_model_config
 from raymoe.kernels.comm import CommBackend, new_rendezvous
 from raymoe.moe.initial_placement import initial_placement
@@ -79,7 +81,7 @@ def test_the_warm_up_runs_every_expert_of_every_layer_once_and_changes_nothing(m
         calls.append((w13_.shape[0], pool_counts_, row_pool_[:, 0].tolist()))
         return real_run_rows(rows_, row_pool_, weights_, w13_, w2_, pool_counts_, executor)
 
-    monkeypatch.setattr(experts_module, "run_rows", recorded)
+    monkeypatch.setattr(warm_up_module, "run_rows", recorded)
     report = warm_up_experts(w13, w2, top_k)
     assert [(entry["shape"][0][0], entry["layers"]) for entry in report] == [(pool, 3), (pool + 1, 1)]
     assert all(entry["dtype"] == str(dtype).replace("torch.", "") for entry in report)

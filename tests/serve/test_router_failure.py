@@ -9,6 +9,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import threading
 import time
 import urllib.request
 
@@ -135,6 +136,8 @@ def test_32_streams_survive_a_router_sigkill_byte_equal_to_the_reference(server,
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     model = client.models.list().data[0].id
 
+    started = [threading.Event() for _ in range(STREAMS)]  # set at each stream's first text
+
     def stream(i: int) -> tuple[str, str | None, int]:
         extra = {} if params[i].seed is None else {"seed": params[i].seed}
         chunks = client.completions.create(model=model, prompt=prompts[i],
@@ -146,16 +149,19 @@ def test_32_streams_survive_a_router_sigkill_byte_equal_to_the_reference(server,
             for choice in chunk.choices:
                 text += choice.text
                 reason = choice.finish_reason or reason
+                if text:
+                    started[i].set()
             if chunk.usage is not None:
                 usage = chunk.usage.completion_tokens
         return text, reason, usage
 
     with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
         futures = [pool.submit(stream, i) for i in range(STREAMS)]
+        # Kill once every stream has text (so the victim's streams move with tokens behind them).
         deadline = time.monotonic() + 120
-        while generation_tokens(server.url) - before < 2 * STREAMS:
+        while not all(e.is_set() for e in started):
             assert time.monotonic() < deadline and not any(f.done() for f in futures), "no tokens flowed"
-            time.sleep(0.05)
+            time.sleep(0.01)
         os.kill(victim, signal.SIGKILL)
         results = [f.result(timeout=300) for f in futures]
     assert [r[0] for r in results] == expected
