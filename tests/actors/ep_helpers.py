@@ -39,3 +39,33 @@ def reference_engine(model: str) -> LLMEngine:
     engine = LLMEngine.from_pretrained(model, EngineConfig(dtype="float32"))
     engine.model.experts = RecordingExperts(engine.model.experts)
     return engine
+
+
+def single_worker_placement(model_dir: str) -> dict:
+    """The checkpoint's experts all on one worker (contiguous), as a placement dict."""
+    from raymoe.engine.hf_config import load_model_config
+    from raymoe.moe.initial_placement import initial_placement
+
+    config = load_model_config(model_dir)
+    return initial_placement(num_layers=len(config.moe_layers), num_experts=config.num_experts, num_workers=1,
+                             strategy="contiguous").to_dict()
+
+
+def record_warm_up_then_join(monkeypatch, module, warm_up: str) -> list[str]:
+    """In ``module`` (an actor's), record its call of ``warm_up`` (still run) and of
+    ``make_communicator`` (the group's join, which raises, so a constructor stops there):
+    the returned list fills with "warm-up" and "join" in the order they happen."""
+    events: list[str] = []
+    real_warm_up = getattr(module, warm_up)
+
+    def recorded_warm_up(*args, **kwargs):
+        events.append("warm-up")
+        return real_warm_up(*args, **kwargs)
+
+    def recorded_join(*args, **kwargs):
+        events.append("join")
+        raise RuntimeError("stop here: the test only needs the order")
+
+    monkeypatch.setattr(module, warm_up, recorded_warm_up)
+    monkeypatch.setattr(module, "make_communicator", recorded_join)
+    return events

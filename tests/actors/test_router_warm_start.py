@@ -16,34 +16,15 @@ import torch
 import raymoe.actors.router as router_module
 from raymoe.actors.router import Router
 from raymoe.engine.engine import EngineConfig
-from raymoe.engine.hf_config import load_model_config
 from raymoe.kernels.attention import AttentionSpec, SdpaAttention
 from raymoe.kernels.attention_flashinfer import warm_up_attention
-from raymoe.moe.initial_placement import initial_placement
 from raymoe.moe.model_config import AttentionKind
-
-
-def placement_for(model_dir: str) -> dict:
-    config = load_model_config(model_dir)
-    return initial_placement(num_layers=len(config.moe_layers), num_experts=config.num_experts, num_workers=1,
-                             strategy="contiguous").to_dict()
+from ep_helpers import record_warm_up_then_join, single_worker_placement
 
 
 def test_the_warm_up_runs_in_the_constructor_before_any_join(tiny_mixtral_dir, monkeypatch):
-    events = []
-    real_warm_up = router_module.warm_up_attention
-
-    def recorded_warm_up(*args, **kwargs):
-        events.append("warm-up")
-        return real_warm_up(*args, **kwargs)
-
-    def recorded_join(*args, **kwargs):
-        events.append("join")
-        raise RuntimeError("stop here: the test only needs the order")
-
-    monkeypatch.setattr(router_module, "warm_up_attention", recorded_warm_up)
-    monkeypatch.setattr(router_module, "make_communicator", recorded_join)
-    router = Router("router-0", tiny_mixtral_dir, EngineConfig(dtype="float32"), placement_for(tiny_mixtral_dir),
+    events = record_warm_up_then_join(monkeypatch, router_module, "warm_up_attention")
+    router = Router("router-0", tiny_mixtral_dir, EngineConfig(dtype="float32"), single_worker_placement(tiny_mixtral_dir),
                     [], "gloo", 10.0)
     assert events == ["warm-up"]
     assert router.experts.exchange is None and router._thread is None  # not in any group yet

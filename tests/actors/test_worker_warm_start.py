@@ -21,33 +21,14 @@ from raymoe.actors.expert_worker import ExpertWorker
 from raymoe.engine.experts import run_rows
 from raymoe.engine.exchange import worker_warm_up as warm_up_module
 from raymoe.engine.exchange.worker_warm_up import warm_up_experts
-from raymoe.engine.hf_config import load_model_config
 from raymoe.kernels.comm import CommBackend, new_rendezvous
-from raymoe.moe.initial_placement import initial_placement
-
-
-def placement_for(model_dir: str) -> dict:
-    config = load_model_config(model_dir)
-    return initial_placement(num_layers=len(config.moe_layers), num_experts=config.num_experts, num_workers=1,
-                             strategy="contiguous").to_dict()
+from ep_helpers import record_warm_up_then_join, single_worker_placement
 
 
 def test_the_experts_warm_up_in_the_constructor_before_any_join(tiny_mixtral_dir, monkeypatch):
-    events = []
-    real_warm_up = worker_module.warm_up_experts
-
-    def recorded_warm_up(*args, **kwargs):
-        events.append("warm-up")
-        return real_warm_up(*args, **kwargs)
-
-    def recorded_join(*args, **kwargs):
-        events.append("join")
-        raise RuntimeError("stop here: the test only needs the order")
-
-    monkeypatch.setattr(worker_module, "warm_up_experts", recorded_warm_up)
-    monkeypatch.setattr(worker_module, "make_communicator", recorded_join)
+    events = record_warm_up_then_join(monkeypatch, worker_module, "warm_up_experts")
     monkeypatch.setattr(worker_module.ray.util, "get_node_ip_address", lambda: "127.0.0.1")
-    worker = ExpertWorker(0, tiny_mixtral_dir, "float32", "cpu", placement_for(tiny_mixtral_dir))
+    worker = ExpertWorker(0, tiny_mixtral_dir, "float32", "cpu", single_worker_placement(tiny_mixtral_dir))
     assert events == ["warm-up"]
     assert worker.exchange is None  # not in any group yet
     # the tiny model's MoE layers share one shape: one record, every layer run
