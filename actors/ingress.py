@@ -304,7 +304,7 @@ class OpenAIIngress:
 
     async def _collect_one(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                            arrived: float) -> RequestOutput | StepFailure | None:
-        deltas = self.relay.deltas(prompt_ids, params, False, request_id, arrived)
+        deltas = self.relay.deltas(prompt_ids, params, request_id, arrived)
         output = None
         try:
             async for output in deltas:

@@ -102,8 +102,8 @@ class RouterRelay:
             if entry[0] == router:
                 entry[1].put_nowait(RouterLost(lost))
 
-    # ---- failover ----------------------------------------------------------------------
-    async def deltas(self, prompt_ids: list[int], params: SamplingParams, stream: bool, request_id: str,
+    # ---- migration ---------------------------------------------------------------------
+    async def deltas(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                      arrived: float) -> AsyncIterator[RequestOutput | StepFailure]:
         """The router's token deltas folded into a growing RequestOutput (or a StepFailure).
 

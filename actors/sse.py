@@ -134,7 +134,7 @@ async def stream_events(prepared: PreparedRequest, request_id: str, arrived: flo
 async def _pump(relay: RouterRelay, index: int, prompt_ids: list[int], params: SamplingParams, request_id: str,
                 arrived: float, merged: asyncio.Queue) -> None:
     """Sequence ``index``'s outputs into ``merged`` as ``(index, output)``, then ``(index, None)``."""
-    deltas = relay.deltas(prompt_ids, params, True, request_id, arrived)
+    deltas = relay.deltas(prompt_ids, params, request_id, arrived)
     try:
         async for output in deltas:
             merged.put_nowait((index, output))
