@@ -41,7 +41,7 @@ from raymoe.kernels.attention import (
 )
 from raymoe.kernels.attention_flashinfer import FlashInferAttention, flashinfer_unsupported
 from raymoe.kernels.norm import add_rms_norm, rms_norm
-from raymoe.kernels.packed_linear import linear
+from raymoe.kernels.packed_linear import linear, logits
 from raymoe.kernels.rope import apply_rope, rope_rows, rope_tables
 from raymoe.moe.gating import route
 from raymoe.moe.model_config import AttentionKind, ModelConfig, QKNorm, SharedExpertKind
@@ -89,7 +89,7 @@ class MoEModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, D]`` -> ``[B, V]`` float32."""
-        return linear(hidden, self.weights.lm_head).float()
+        return logits(hidden, self.weights.lm_head)
 
     # ---- attention -----------------------------------------------------------------
     def _gqa(self, h, w: GQAWeights, cos, sin, cache, slot_mapping, step: AttentionStep) -> torch.Tensor:

@@ -10,7 +10,8 @@ weights without a copy.
 
 Three implementations behind one function:
 - on a float32 CPU with AVX-512F and a C compiler, raymoe's native kernel: every slot's rows
-  in one call, gate/up/SiLU/down fused over weights packed once (kernels/native_cpu.py);
+  in one call, gate/up/SiLU/down fused over weights packed once (kernels/native_cpu.py); in
+  bfloat16 with AVX512_BF16 its bfloat16 twin, over the weights as they lie (kernels/native_bf16.py);
 - a loop over non-empty slots with one fused gate/up GEMM and one down GEMM each (CPU,
   and any device; on the CPU in float32 over oneDNN-prepacked weights,
   kernels/packed_linear.py);
@@ -31,7 +32,7 @@ from concurrent.futures import Executor
 import torch
 import torch.nn.functional as F
 
-from raymoe.kernels import native_cpu, packed_linear
+from raymoe.kernels import native_bf16, native_cpu, packed_linear
 
 LOG = logging.getLogger("raymoe.kernels")
 _fallback_logged = False
@@ -39,7 +40,9 @@ _fallback_logged = False
 
 def kernel_name(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> str:
     """Which kernel runs these experts (``x: [A, D]`` rows like theirs): ``native-avx512``,
-    ``onednn`` or ``torch`` (a worker's ``info()["expert_kernel"]``)."""
+    ``native-avx512-bf16``, ``onednn`` or ``torch`` (a worker's ``info()["expert_kernel"]``)."""
+    if native_bf16.experts_apply(x, w13, w2):
+        return native_bf16.KERNEL
     if native_cpu.experts_apply(x, w13, w2):
         return native_cpu.KERNEL
     return "onednn" if packed_linear.applies(x, w13) and packed_linear.applies(x, w2) else "torch"
@@ -113,6 +116,9 @@ def _grouped_swiglu_loop(
     if native_cpu.experts_apply(x, w13, w2):  # CPU float32 on AVX-512F: the whole layer in one native call
         def run_jobs(part: list[tuple[int, int, int]]) -> None:
             native_cpu.swiglu_jobs(x, out, w13, w2, part)
+    elif native_bf16.experts_apply(x, w13, w2):  # CPU bfloat16 on AVX512_BF16: likewise, over the weights as they lie
+        def run_jobs(part: list[tuple[int, int, int]]) -> None:
+            native_bf16.swiglu_jobs(x, out, w13, w2, part)
     else:
         run_jobs = _torch_jobs(x, out, w13, w2)
     if executor is None or len(jobs) < 2:

@@ -1,7 +1,8 @@
 """raymoe's native CPU library: built, loaded and checked once per process.
 
-The C sources (kernels/csrc/cpu_f32.c: the compute kernels; kernels/csrc/cpu_exchange.c: each
-side's MoE layer of the exchange over the sockets transport) are compiled on first use with the
+The C sources (kernels/csrc/cpu_f32.c: the float32 compute kernels; cpu_bf16.c: the bfloat16 ones;
+kernels/csrc/cpu_exchange.c: each side's MoE layer of the exchange over the sockets transport; the
+headers they share, simd_math.h) are compiled on first use with the
 machine's C compiler (``$CC``, else ``cc``) into ``$RAYMOE_NATIVE_DIR`` (default
 ``~/.cache/raymoe/native``), a fraction of a second, once per source, compiler and constants.
 
@@ -15,8 +16,10 @@ tests/kernels/test_native_cpu.py compares them one by one).
 
 Where there is no compiler, the CPU lacks AVX-512F or ``RAYMOE_NATIVE_KERNELS=0`` is set, the
 library is not loaded, :func:`unavailable_reason` says why (logged once), and torch's kernels run
-as before. The compute wrappers are kernels/native_cpu.py, the exchange's ctypes face
-kernels/native_exchange.py; both read :data:`STATE`.
+as before. The bfloat16 kernels need AVX512_BF16 besides: :func:`bf16_unavailable_reason` says
+whether they run (logged once where they do not). The compute wrappers are kernels/native_cpu.py
+(float32) and kernels/native_bf16.py, the exchange's ctypes face kernels/native_exchange.py; all
+read :data:`STATE`.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ from raymoe.kernels.comm import wire
 LOG = logging.getLogger("raymoe.kernels")
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = (os.path.join(_CSRC, "cpu_f32.c"),  # the kernels
+SOURCES = (os.path.join(_CSRC, "cpu_f32.c"),  # the float32 kernels
+           os.path.join(_CSRC, "cpu_bf16.c"),  # the bfloat16 kernels (AVX512_BF16)
            os.path.join(_CSRC, "cpu_exchange.c"))  # each side's layer of the exchange over sockets
+INCLUDED = (os.path.join(_CSRC, "simd_math.h"),)  # headers the sources include (part of the build's digest)
 HEADER_NAME = "raymoe_constants.h"  # generated: c_header()
 CFLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]  # no contraction: only the source's own FMAs
 CHUNK_ROWS = 32  # expert rows per pass over an expert's weights: the swiglu scratch's height
@@ -55,6 +60,8 @@ _SIGNATURES = {
     "raymoe_router_layer": [_P, _P, _I64, ctypes.c_int32] + [_P] * 4 + [_I64] * 3 + [_P, _I64, _P, _I64, _I64, _P],
     "raymoe_router_empty_layers": [_P, _I64, ctypes.c_int32, _P, _P, _I64, _P, _I64, _I64, _P, _I64, _P],
     "raymoe_constants": [_P, _P, _I64],
+    "raymoe_bf16_linear": [_P, _I64, _P, _I64, ctypes.c_int32, _P, _P] + [_I64] * 4,
+    "raymoe_bf16_swiglu_experts": [_P] * 5 + [_I64] * 3 + [_P],
 }
 _RETURNS = {name: ctypes.c_int64
             for name in ("raymoe_run_rows", "raymoe_plan_pack", "raymoe_worker_layer", "raymoe_router_layer",
@@ -65,13 +72,14 @@ _RETURNS = {name: ctypes.c_int64
 class _State:
     """The process's library: whether it may be used, and once tried, the library or why not."""
 
-    __slots__ = ("enabled", "library", "reason", "tried")
+    __slots__ = ("bf16", "enabled", "library", "reason", "tried")
 
     def __init__(self) -> None:
         self.enabled = os.environ.get("RAYMOE_NATIVE_KERNELS", "1").lower() not in ("0", "false", "no", "off")
         self.library: ctypes.CDLL | None = None
         self.reason: str | None = None  # why the library is unavailable (None: not tried yet, or available)
         self.tried = False
+        self.bf16: str | None | bool = False  # False: not asked yet; then None (runs) or why not
 
 
 STATE = _State()
@@ -132,6 +140,19 @@ def unavailable_reason() -> str | None:
     return STATE.reason
 
 
+def bf16_unavailable_reason() -> str | None:
+    """None when the bfloat16 kernels (kernels/csrc/cpu_bf16.c) run here: the library is available
+    and the CPU has AVX512_BF16; else why not (logged once: torch's kernels run instead)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    if STATE.bf16 is False:
+        STATE.bf16 = None if STATE.library.raymoe_bf16_supported() else "this CPU has no AVX512_BF16"
+        if STATE.bf16:
+            LOG.warning("bfloat16 native kernels unavailable (%s): torch's kernels run instead", STATE.bf16)
+    return STATE.bf16
+
+
 def reported_constants(library: ctypes.CDLL | None = None) -> dict[str, int]:
     """What the library reports it was built with (``raymoe_constants``), by C name."""
     library = library or STATE.library
@@ -160,7 +181,7 @@ def _build() -> str:
         raise OSError(f"no C compiler ({compiler!r} not found; set CC)")
     header = c_header().encode()
     source = header
-    for name in SOURCES:
+    for name in SOURCES + INCLUDED:
         with open(name, "rb") as handle:
             source += handle.read()
     version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout

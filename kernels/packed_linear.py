@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from raymoe.kernels import native_cpu, weight_cache
+from raymoe.kernels import native_bf16, native_cpu, weight_cache
 
 PACK_ROWS_HINT = 16  # the batch size oneDNN's layout is chosen for (decode sizes)
 # A dense layer's weight is packed from this size on. Below it oneDNN's fixed cost per call
@@ -55,9 +55,12 @@ def applies(x: torch.Tensor, stack: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a ``[out, in]`` weight (a dense layer's), packed once: by
+    """``F.linear(x, weight, bias)`` for a ``[out, in]`` weight (a dense layer's): bfloat16 by raymoe's
+    native kernel over the weight as it lies (kernels/native_bf16.py); float32 packed once, by
     raymoe's native kernel where it runs (kernels/native_cpu.py, any size), else by oneDNN from
-    ``DENSE_MIN_BYTES`` on, else torch's default GEMM."""
+    ``DENSE_MIN_BYTES`` on; else torch's default GEMM."""
+    if native_bf16.linear_applies(x, weight, bias):
+        return native_bf16.linear(x, weight, bias)
     if native_cpu.linear_applies(x, weight, bias):
         return native_cpu.linear(x, weight, bias)
     if (not applies(x, weight) or (bias is not None and bias.dtype != torch.float32)
@@ -66,6 +69,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     shape = x.shape
     out = _LINEAR(x.reshape(-1, shape[-1]).contiguous(), _packed_row(weight, None), bias, "none", [], "")
     return out.reshape(*shape[:-1], weight.shape[0])
+
+
+def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight).float()``, the LM head: in bfloat16 the native kernel writes float32
+    logits straight from its float32 sums (no rounding to bfloat16 first)."""
+    if native_bf16.linear_applies(x, weight, None):
+        return native_bf16.linear(x, weight, out_dtype=torch.float32)
+    return linear(x, weight).float()
 
 
 def linear_row(x: torch.Tensor, stack: torch.Tensor, row: int) -> torch.Tensor:

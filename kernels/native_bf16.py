@@ -1,0 +1,120 @@
+"""raymoe's native CPU kernels in bfloat16 (kernels/csrc/cpu_bf16.c, AVX512_BF16), the compute wrappers.
+
+Legend (docs/ARCHITECTURE.md's letters): Sp stacked experts, D hidden, I expert intermediate, No/Ni
+a dense layer's out/in sizes, A rows sorted by slot.
+
+Why: a bfloat16 checkpoint is how models are served, and torch's CPU kernels run its decode shapes
+far below the machine: ``F.linear`` in bfloat16 streamed a [151936, 2048] LM head at 11.7 GB/s
+(53 ms a token) and a [1536, 2048] expert at 15 GB/s; oneDNN's packed bfloat16 linear runs
+faster but needs a packed copy of every weight beside the checkpoint's (twice the memory). These
+kernels read each weight where it lies, in the checkpoint's ``[out, in]`` layout: no copy, no
+packing, each weight held once. Every output is a dot product of two bfloat16 rows taken by
+VDPBF16PS (exact products, float32 sums in a fixed order), rounded once to bfloat16, so a row's
+result never depends on which rows share its call (the row-invariance kernels/native_cpu.py's
+float32 kernels keep, and placement-independence needs). benchmarks/bench_bf16_kernels.py
+measures them against torch's and oneDNN's at the real models' shapes.
+
+- :func:`linear`: a dense layer (attention projections, the LM head with float32 logits); the LM
+  head's outputs can be split over threads (:func:`linear` ``threads``): on a CPU router the
+  workers idle while it runs, and one core alone does not saturate the memory bus.
+- :func:`swiglu_jobs`: a layer's experts in one call (kernels/expert_mlp.py), gate, up, SiLU and
+  down per expert over its rows, in chunks of ``CHUNK_ROWS``.
+
+Where the library or AVX512_BF16 is unavailable (kernels/native_library.py::bf16_unavailable_reason,
+logged once), or a shape is not taken (K not a multiple of 32), torch's kernels run.
+"""
+
+from __future__ import annotations
+
+import array
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from raymoe.kernels.native_library import CHUNK_ROWS, STATE, bf16_unavailable_reason
+from raymoe.kernels.native_library import check as _check
+
+KERNEL = "native-avx512-bf16"
+# A dense layer is split over threads from this size on (the LM heads: 311 M parameters for
+# Qwen3-30B-A3B's vocabulary); below it a thread's hand-off costs more than the second core saves.
+SPLIT_MIN_BYTES = 64 << 20
+_pool: ThreadPoolExecutor | None = None
+_pool_threads = 0
+
+
+def _takes(*tensors: torch.Tensor) -> bool:
+    return STATE.enabled and all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and not t.requires_grad
+                                 for t in tensors)
+
+
+def linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether :func:`linear` takes it: bfloat16 on the CPU, a contiguous ``[No, Ni]`` weight with Ni
+    a multiple of 32, and AVX512_BF16."""
+    return (_takes(x, weight) and x.numel() > 0 and weight.dim() == 2 and weight.shape[1] % 32 == 0
+            and weight.is_contiguous() and x.shape[-1] == weight.shape[1]
+            and (bias is None or _takes(bias)) and bf16_unavailable_reason() is None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out_dtype: torch.dtype = torch.bfloat16, threads: int = 1) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (:func:`linear_applies` checked) in ``out_dtype`` (bfloat16, or
+    float32 for logits). With ``threads`` > 1 and a weight of ``SPLIT_MIN_BYTES`` or more, the
+    outputs are split over that many threads (the same bits: each output is computed alike)."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1]).contiguous()
+    rows, features = flat.shape[0], weight.shape[0]
+    out = torch.empty(rows, features, dtype=out_dtype)
+    bias = bias.contiguous() if bias is not None else None
+    f32 = 1 if out_dtype == torch.float32 else 0
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype must be float32 or bfloat16, not {out_dtype}")
+
+    def run(first: int, end: int) -> None:
+        _check(STATE.library.raymoe_bf16_linear(
+            flat.data_ptr(), flat.shape[1], out.data_ptr(), features, f32, weight.data_ptr(),
+            bias.data_ptr() if bias is not None else None, rows, flat.shape[1], first, end), "raymoe_bf16_linear")
+
+    if threads > 1 and weight.numel() * 2 >= SPLIT_MIN_BYTES:
+        bounds = [features * part // threads // 4 * 4 for part in range(threads)] + [features]
+        pool = _executor(threads - 1)
+        others = [pool.submit(run, bounds[part], bounds[part + 1]) for part in range(1, threads)]
+        try:
+            run(bounds[0], bounds[1])
+        finally:
+            for other in others:
+                other.result()
+    else:
+        run(0, features)
+    return out.view(*shape[:-1], features)
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    """The process's threads for split layers (made once; ctypes releases the GIL in the call)."""
+    global _pool, _pool_threads
+    if _pool is None or _pool_threads < workers:
+        _pool, _pool_threads = ThreadPoolExecutor(workers, thread_name_prefix="raymoe-bf16"), workers
+    return _pool
+
+
+def experts_apply(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether :func:`swiglu_jobs` takes these rows and stacks (``[Sp, 2I, D]``, ``[Sp, D, I]``):
+    bfloat16 on the CPU, contiguous stacks, D and I multiples of 32, AVX512_BF16."""
+    if not (_takes(x, w13, w2) and x.numel() > 0 and w13.is_contiguous() and w2.is_contiguous()):
+        return False
+    hidden, intermediate = w13.shape[2], w2.shape[2]
+    if hidden % 32 or intermediate % 32 or w13.shape[1] != 2 * intermediate or w2.shape[1] != hidden:
+        return False
+    return bf16_unavailable_reason() is None
+
+
+def swiglu_jobs(x: torch.Tensor, out: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                jobs: list[tuple[int, int, int]]) -> None:
+    """``out[b:e] = swiglu_r(x[b:e])`` for each job ``(r, b, e)`` (:func:`experts_apply` checked by the
+    caller; ``x`` and ``out`` contiguous bfloat16 ``[A, D]``). Releases the GIL while it runs."""
+    if not jobs:
+        return
+    flat = array.array("q", [value for job in jobs for value in job])
+    scratch = torch.empty(CHUNK_ROWS, w2.shape[2], dtype=torch.bfloat16)
+    _check(STATE.library.raymoe_bf16_swiglu_experts(x.data_ptr(), out.data_ptr(), w13.data_ptr(), w2.data_ptr(),
+                                                     flat.buffer_info()[0], len(jobs), w13.shape[2], w2.shape[2],
+                                                     scratch.data_ptr()), "raymoe_bf16_swiglu_experts")
