@@ -27,6 +27,8 @@ logged once), or a shape is not taken (K not a multiple of 32), torch's kernels 
 from __future__ import annotations
 
 import array
+import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -34,12 +36,37 @@ import torch
 from raymoe.kernels.native_library import CHUNK_ROWS, STATE, bf16_unavailable_reason
 from raymoe.kernels.native_library import check as _check
 
-KERNEL = "native-avx512-bf16"
+LOG = logging.getLogger("raymoe.kernels")
+KERNEL = "native-bf16"  # kernel_name's family; which instructions run it: :func:`instructions`
 # A dense layer is split over threads from this size on (the LM heads: 311 M parameters for
 # Qwen3-30B-A3B's vocabulary); below it a thread's hand-off costs more than the second core saves.
 SPLIT_MIN_BYTES = 64 << 20
 _pool: ThreadPoolExecutor | None = None
 _pool_threads = 0
+_chosen: tuple | None = None  # (linear, swiglu, instructions), chosen once per process
+
+
+def _kernels() -> tuple:
+    """AMX's kernels where the CPU has AMX-BF16 and Linux grants this process the tiles, else the
+    AVX512_BF16 dot-product kernels (logged once: far slower at many rows, e.g. a prefill)."""
+    global _chosen
+    if _chosen is None:
+        library = STATE.library
+        if os.environ.get("RAYMOE_AMX", "1").lower() not in ("0", "false", "no", "off") \
+                and library.raymoe_amx_supported():
+            _chosen = (library.raymoe_amx_linear, library.raymoe_amx_swiglu_experts, "amx")
+        else:
+            _chosen = (library.raymoe_bf16_linear, library.raymoe_bf16_swiglu_experts, "avx512-bf16")
+            LOG.warning("bfloat16 kernels without AMX (no AMX-BF16 here, or RAYMOE_AMX=0): AVX512_BF16 dot "
+                        "products, as fast at decode sizes, several times slower at prefill sizes")
+    return _chosen
+
+
+def instructions() -> str:
+    """``amx`` or ``avx512-bf16``: which of the bfloat16 kernels this process runs (:func:`bf16_unavailable_reason`
+    checked first). Outputs of the two differ in the last bits (their sums run in different orders):
+    one machine always takes the same, so placement never changes an output on it."""
+    return _kernels()[2]
 
 
 def _takes(*tensors: torch.Tensor) -> bool:
@@ -70,12 +97,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"out_dtype must be float32 or bfloat16, not {out_dtype}")
 
     def run(first: int, end: int) -> None:
-        _check(STATE.library.raymoe_bf16_linear(
+        _check(_kernels()[0](
             flat.data_ptr(), flat.shape[1], out.data_ptr(), features, f32, weight.data_ptr(),
             bias.data_ptr() if bias is not None else None, rows, flat.shape[1], first, end), "raymoe_bf16_linear")
 
     if threads > 1 and weight.numel() * 2 >= SPLIT_MIN_BYTES:
-        bounds = [features * part // threads // 4 * 4 for part in range(threads)] + [features]
+        bounds = [features * part // threads // 16 * 16 for part in range(threads)] + [features]
         pool = _executor(threads - 1)
         others = [pool.submit(run, bounds[part], bounds[part + 1]) for part in range(1, threads)]
         try:
@@ -115,6 +142,6 @@ def swiglu_jobs(x: torch.Tensor, out: torch.Tensor, w13: torch.Tensor, w2: torch
         return
     flat = array.array("q", [value for job in jobs for value in job])
     scratch = torch.empty(CHUNK_ROWS, w2.shape[2], dtype=torch.bfloat16)
-    _check(STATE.library.raymoe_bf16_swiglu_experts(x.data_ptr(), out.data_ptr(), w13.data_ptr(), w2.data_ptr(),
+    _check(_kernels()[1](x.data_ptr(), out.data_ptr(), w13.data_ptr(), w2.data_ptr(),
                                                      flat.buffer_info()[0], len(jobs), w13.shape[2], w2.shape[2],
                                                      scratch.data_ptr()), "raymoe_bf16_swiglu_experts")

@@ -62,6 +62,8 @@ _SIGNATURES = {
     "raymoe_constants": [_P, _P, _I64],
     "raymoe_bf16_linear": [_P, _I64, _P, _I64, ctypes.c_int32, _P, _P] + [_I64] * 4,
     "raymoe_bf16_swiglu_experts": [_P] * 5 + [_I64] * 3 + [_P],
+    "raymoe_amx_linear": [_P, _I64, _P, _I64, ctypes.c_int32, _P, _P] + [_I64] * 4,
+    "raymoe_amx_swiglu_experts": [_P] * 5 + [_I64] * 3 + [_P],
 }
 _RETURNS = {name: ctypes.c_int64
             for name in ("raymoe_run_rows", "raymoe_plan_pack", "raymoe_worker_layer", "raymoe_router_layer",

@@ -25,10 +25,22 @@ CAN_RUN = sys.platform.startswith("linux") and shutil.which(os.environ.get("CC")
 needs_kernel = pytest.mark.skipif(not CAN_RUN, reason="needs Linux, a C compiler, AVX-512F and AVX512_BF16")
 
 
-@pytest.fixture(autouse=True)
-def _switch_on():
+@pytest.fixture(autouse=True, params=["amx", "avx512-bf16"])
+def instructions(request, monkeypatch):
+    """Every test on both kernels: AMX's (where the CPU has it) and the AVX512_BF16 dot products."""
     native_library.set_enabled(True)
-    yield
+    if CAN_RUN:
+        assert native_library.bf16_unavailable_reason() is None
+        library = native_library.STATE.library
+        if request.param == "amx":
+            if not library.raymoe_amx_supported():
+                pytest.skip("this CPU has no AMX-BF16 (or Linux refused this process the tiles)")
+            chosen = (library.raymoe_amx_linear, library.raymoe_amx_swiglu_experts, "amx")
+        else:
+            chosen = (library.raymoe_bf16_linear, library.raymoe_bf16_swiglu_experts, "avx512-bf16")
+        monkeypatch.setattr(native_bf16, "_chosen", chosen)
+        assert native_bf16.instructions() == request.param
+    yield request.param
     native_library.set_enabled(True)
 
 
