@@ -30,8 +30,9 @@ class AttachedActors:
 
 
 def attach_actors(name: str, routers: int, workers: int, namespace: str = NAMESPACE) -> AttachedActors:
-    """The running deployment ``name`` (``routers`` routers, ``workers`` expert workers),
-    found by its actors' names; raises RuntimeError naming the first actor not found."""
+    """The running deployment ``name`` (``routers`` routers, ``workers`` expert workers, or as
+    many as its controller reports live after a resize), found by its actors' names; raises
+    RuntimeError naming the first actor not found."""
     def actor(suffix: str) -> Any:
         try:
             return ray.get_actor(f"{name}-{suffix}", namespace=namespace)
@@ -40,8 +41,9 @@ def attach_actors(name: str, routers: int, workers: int, namespace: str = NAMESP
                                f"actor {name}-{suffix} not found (start it with raymoe serve)") from None
 
     router_handles = [actor(f"router-{r}") for r in range(routers)]
-    worker_handles = [actor(f"worker-{w}") for w in range(workers)]
     controller = actor("controller")
     status = ray.get(controller.status.remote(), timeout=ATTACH_TIMEOUT_S)
+    workers = status.get("workers", workers)  # the live size: a resize may have changed it (actors/resize.py)
+    worker_handles = [actor(f"worker-{w}") for w in range(workers)]
     infos = ray.get([w.info.remote() for w in worker_handles], timeout=ATTACH_TIMEOUT_S)
     return AttachedActors(router_handles, worker_handles, controller, status, infos)

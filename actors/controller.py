@@ -38,7 +38,9 @@ from typing import Any
 import numpy as np
 import ray
 
-from raymoe.actors.recovery import CALL_TIMEOUT_S, LOST, PING_TIMEOUT_S, RECOVERY_FAULT_POINTS, Recovery
+from raymoe.actors.recovery import (CALL_TIMEOUT_S, LOST, PING_TIMEOUT_S, RECOVERY_FAULT_POINTS, Recovery, _describe,
+                                    _gather)
+from raymoe.actors.resize import RESIZE_FAULT_POINTS, Resize
 from raymoe.moe.placement import PlacementTable
 from raymoe.moe.rebalance_policy import RebalanceDecision, RebalancePolicy, decide, placement_balancedness
 
@@ -51,7 +53,7 @@ MIGRATION_TIMEOUT_S = 60.0  # deadline of one layer's copy collective (weights a
 # activate (one worker fails, the others have activated).
 REBALANCE_FAULT_POINTS = ("rebalance_before_migrate", "rebalance_during_migrate", "rebalance_migrate_peer_missing",
                           "rebalance_before_activate", "rebalance_during_activate")
-FAULT_POINTS = (*RECOVERY_FAULT_POINTS, *REBALANCE_FAULT_POINTS)
+FAULT_POINTS = (*RECOVERY_FAULT_POINTS, *REBALANCE_FAULT_POINTS, *RESIZE_FAULT_POINTS)
 # How long a failed migration's cleanup waits for the calls still running in it (the aborted
 # copy collective makes them fail at once) and for each worker's answer.
 MIGRATION_CLEANUP_WAIT_S = 10.0
@@ -60,7 +62,7 @@ MIGRATION_CLEANUP_WAIT_S = 10.0
 COUNTERS = ("rebalance_decisions_taken", "rebalance_decisions_skipped", "rebalances_deferred", "recoveries",
             "recoveries_on_replicas", "reinclude_attempts", "reinclude_failures", "reincludes",
             "reinclude_rollbacks", "repeated_step_failures", "rebalance_failures", "migration_group_rebuilds",
-            "reload_timeouts")
+            "reload_timeouts", "resizes", "resizes_refused", "resize_rollbacks")
 
 
 class InjectedFault(RuntimeError):
@@ -71,33 +73,12 @@ class MigrationFailed(RuntimeError):
     """A rebalance's migration failed and a worker was lost in it: its cleanup is left to recovery."""
 
 
-def _gather(refs: list[Any], timeout_s: float = CALL_TIMEOUT_S) -> list[Any]:
-    """``ray.get(refs)``, but a failed call raises as soon as it fails, not once every other
-    call has ended (a copy collective's peers wait in it until the failure is cleaned up)."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(refs)} calls did not finish in {timeout_s} s")
-        ray.get(ready)
-    return ray.get(list(refs))
-
-
-def _describe(error: BaseException) -> str:
-    """``Type: text`` of the error a remote call raised (not Ray's wrapper and traceback)."""
-    cause = getattr(error, "cause", None) if isinstance(error, ray.exceptions.RayTaskError) else None
-    if isinstance(cause, BaseException):
-        return f"{type(cause).__name__}: {' '.join(str(cause).split())}"
-    lines = str(error).strip().splitlines()  # Ray's text ends with the remote error's own line
-    return f"{type(error).__name__}: {lines[-1] if lines else ''}"
-
-
-class Controller(Recovery):
+class Controller(Recovery, Resize):
     def __init__(self, routers: list[Any], workers: list[Any], placement: dict[str, Any], policy: RebalancePolicy,
                  window_steps: int, interval_steps: int, poll_interval_s: float, enabled: bool,
-                 groups: dict[str, Any] | None = None):
+                 groups: dict[str, Any] | None = None, worker_spec: Any = None):
         self._init_recovery()  # generation, recoveries, degraded, ... (actors/recovery.py)
+        self._init_resize(worker_spec)  # how to start workers, the resize lock (actors/resize.py)
         self.routers = routers
         # How to rebuild communicator groups: router ids, backend, deadline (see recover()).
         self.groups = groups or {}
@@ -179,8 +160,13 @@ class Controller(Recovery):
         infos = ray.get([w.info.remote() for w in self.workers], timeout=CALL_TIMEOUT_S)
         phy2log = [sum((info["experts"][layer] for info in infos), []) for layer in range(self.placement.num_layers)]
         epoch = max(max(info["epochs"]) for info in infos)
+        worker2node = self.placement.worker2node
+        if len(worker2node) != len(infos):  # resized since deploy: number the workers' nodes afresh
+            nodes = {info["node_id"]: None for info in infos}
+            index = {node: i for i, node in enumerate(nodes)}
+            worker2node = [index[info["node_id"]] for info in infos]
         return PlacementTable.from_phy2log(phy2log, self.placement.slots_per_worker, self.placement.num_experts,
-                                           self.placement.worker2node, epoch)
+                                           worker2node, epoch)
 
     # ---- rebalancing --------------------------------------------------------------------
     def rebalance(self, force: bool = True) -> dict[str, Any]:
@@ -405,12 +391,14 @@ class Controller(Recovery):
         with self._counters_lock:
             self.counters[name] += 1
 
-    def _join_migration_group(self) -> None:
-        """All workers in one group of their own for expert copies (rank = worker index)."""
-        backend, world = self.groups["backend"], len(self.workers)
-        rendezvous = ray.get(self.workers[0].migration_rendezvous.remote(backend), timeout=CALL_TIMEOUT_S)
+    def _join_migration_group(self, workers: list[Any] | None = None) -> None:
+        """All workers (or ``workers``: a resize's) in one group of their own for expert copies
+        (rank = worker index)."""
+        workers = self.workers if workers is None else workers
+        backend, world = self.groups["backend"], len(workers)
+        rendezvous = ray.get(workers[0].migration_rendezvous.remote(backend), timeout=CALL_TIMEOUT_S)
         ray.get([w.join_migration.remote(backend, rendezvous, world, max(self.groups["timeout_s"], MIGRATION_TIMEOUT_S))
-                 for w in self.workers], timeout=CALL_TIMEOUT_S)
+                 for w in workers], timeout=CALL_TIMEOUT_S)
 
     # ---- status ---------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -439,6 +427,12 @@ class Controller(Recovery):
             "counters": dict(self.counters),
             "degraded": None if degraded is None else {key: value for key, value in degraded.items() if key != "rows"},
             "routers": self._router_infos(),
+            # the live size (a resize changes it; actors/resize.py)
+            "workers": len(self.workers),
+            "num_routers": len(self.routers),
+            "resizing": None if self.resizing is None else dict(self.resizing),
+            "last_resize": None if self.last_resize is None else {
+                key: value for key, value in self.last_resize.items() if key != "moved"},
             "last_decision": None if self.last_decision is None else {
                 "rebalance": self.last_decision.rebalance, "reason": self.last_decision.reason,
                 "balancedness": self.last_decision.current_balancedness,

@@ -441,9 +441,7 @@ class ExpertWorker:
         """Write an incoming expert into a free pool row, to serve local ``slot`` from ``epoch`` on."""
         with self._staging_lock:  # a discard_staged of this epoch either precedes (refused) or follows it
             self._check_epoch_usable(epoch, "stage")
-            used = {r for rows in self.slot_rows.values() for r in rows[layer]}
-            used |= {row for (_, staged_layer, _), (row, _) in self.staged.items() if staged_layer == layer}
-            free = [r for r in range(self.w13[layer].shape[0]) if r not in used]
+            free = self._free_rows(layer)
             if not free:
                 raise RuntimeError(
                     f"worker {self.worker} layer {layer}: no free pool row to stage into; lower "
@@ -453,6 +451,16 @@ class ExpertWorker:
             self.w2[layer][free[0]].copy_(w2)
             self.staged[(epoch, layer, slot)] = (free[0], expert)
             self.max_epoch = max(self.max_epoch, epoch)
+
+    def _free_rows(self, layer: int) -> list[int]:
+        """Pool rows of MoE layer ``layer`` that no epoch serves an expert from and no
+        migration staged into. A row that serves only empty slots (expert -1: no router sends
+        rows there) is free too: a worker a resize added starts with every slot empty and
+        receives its experts into those rows."""
+        used = {row for epoch, rows in self.slot_rows.items()
+                for row, expert in zip(rows[layer], self.experts[epoch][layer]) if expert >= 0}
+        used |= {row for (_, staged_layer, _), (row, _) in self.staged.items() if staged_layer == layer}
+        return [r for r in range(self.w13[layer].shape[0]) if r not in used]
 
     def activate(self, epoch: int, base_epoch: int, placement: dict[str, Any]) -> None:
         """Serve ``epoch``: ``base_epoch``'s rows, with this epoch's staged experts swapped in.
@@ -481,10 +489,11 @@ class ExpertWorker:
                     f"but that epoch's table puts expert {experts[layer][slot]} there; refusing to serve it")
             rows[layer][slot] = row
             taken.append((staged_epoch, layer, slot))
+        swapped = {(layer, slot) for _, layer, slot in taken}  # (a staged row may be its slot's own empty row)
         base_rows, base_experts = self.slot_rows[base_epoch], self.experts[base_epoch]
         for layer in range(self.num_layers):
             for slot, expert in enumerate(experts[layer]):
-                if expert == base_experts[layer][slot] or rows[layer][slot] != base_rows[layer][slot]:
+                if expert == base_experts[layer][slot] or (layer, slot) in swapped:
                     continue  # unchanged, or staged above
                 if expert in base_experts[layer]:  # already held in another slot: re-point, no copy
                     rows[layer][slot] = base_rows[layer][base_experts[layer].index(expert)]
@@ -546,9 +555,7 @@ class ExpertWorker:
 
     def _load_into_free_row(self, layer: int, expert: int, pending: list[list[int]]) -> int:
         """Read one expert of MoE layer ``layer`` from the checkpoint into a free pool row."""
-        used = {r for rows in self.slot_rows.values() for r in rows[layer]} | set(pending[layer])
-        used |= {row for (_, staged_layer, _), (row, _) in self.staged.items() if staged_layer == layer}
-        free = [r for r in range(self.w13[layer].shape[0]) if r not in used]
+        free = [row for row in self._free_rows(layer) if row not in set(pending[layer])]
         if not free:
             raise RuntimeError(f"worker {self.worker} layer {layer}: no free pool row for expert {expert}; "
                                "lower balancer.max_copies_per_rebalance")

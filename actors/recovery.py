@@ -84,6 +84,28 @@ def join_ep_group(routers: list[Any], workers: list[Any], members: list[int], ba
     ], timeout=CALL_TIMEOUT_S)
 
 
+def _gather(refs: list[Any], timeout_s: float = CALL_TIMEOUT_S) -> list[Any]:
+    """``ray.get(refs)``, but a failed call raises as soon as it fails, not once every other
+    call has ended (a copy collective's peers wait in it until the failure is cleaned up)."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(refs)} calls did not finish in {timeout_s} s")
+        ray.get(ready)
+    return ray.get(list(refs))
+
+
+def _describe(error: BaseException) -> str:
+    """``Type: text`` of the error a remote call raised (not Ray's wrapper and traceback)."""
+    cause = getattr(error, "cause", None) if isinstance(error, ray.exceptions.RayTaskError) else None
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {' '.join(str(cause).split())}"
+    lines = str(error).strip().splitlines()  # Ray's text ends with the remote error's own line
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"
+
+
 def _is_comm_error(message: str) -> bool:
     """Whether a worker's ``last_error`` ("Type: text") is a communicator's error."""
     name = message.split(":", 1)[0]

@@ -206,7 +206,8 @@ class Router:
                                  bind_host=ray.util.get_node_ip_address())
         with self._lock:
             self.experts.exchange = router_exchange(
-                comm, layout, self.router_index, self.placement.num_workers, self.placement.slots_per_worker,
+                comm, layout, self.router_index, self.experts.placement.num_workers,  # the placement in service
+                self.experts.placement.slots_per_worker,
                 self.config.top_k,
                 self.config.hidden_size, self.engine.dtype, self.device)
             self.comm_generation = generation
@@ -523,6 +524,8 @@ class Router:
         """Switch to a new placement at the next step boundary; returns once switched."""
         table = PlacementTable.from_dict(placement)
         with self._lock:  # the step loop holds it for a whole step
+            if table.num_slots != self.experts.placement.num_slots:  # a resize: more or fewer workers
+                self.telemetry.resize(table.num_slots, table.num_workers)
             self.experts.set_placement(table)
         return table.epoch
 

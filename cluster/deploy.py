@@ -25,9 +25,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raymoe.actors.attach import NAMESPACE, attach_actors
 from raymoe.actors.controller import Controller
-from raymoe.actors.expert_worker import ExpertWorker
 from raymoe.actors.recovery import join_ep_group
 from raymoe.actors.router import Router, StepFailure
+from raymoe.actors.worker_spec import CPU_SLIVER, LiveWorkers, WorkerSpec, live_worker_handles, start_worker
 from raymoe.cluster.config import ClusterConfig
 from raymoe.cluster.gpu_env import gpu_actor_env
 from raymoe.cluster.ray_connect import connect, requested_address
@@ -49,7 +49,6 @@ class RequestFailed(RuntimeError):
     """A request's step failed on its router (for example a collective's deadline passed)."""
 
 
-CPU_SLIVER = 0.01  # CPU share of an actor on a CPU-only machine
 ACTOR_CONCURRENCY_SLACK = 4  # calls a worker must answer at once (info, migration, re-join)
 ROUTER_CONCURRENCY = 32  # threads a router answers calls on
 
@@ -106,6 +105,8 @@ class Deployment:
     controller: Any
     group: Any
     worker_nodes: list[str]
+    name: str = "raymoe"
+    namespace: str = NAMESPACE
     _next_request: Any = field(default_factory=itertools.count)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
@@ -141,7 +142,19 @@ class Deployment:
     def rebalance(self) -> dict[str, Any]:
         return ray.get(self.controller.rebalance.remote(True))
 
+    def resize(self, workers: int, **options: Any) -> dict[str, Any]:
+        """Grow or shrink the expert pool to ``workers`` while serving (the controller's
+        ``resize``, actors/resize.py); ``self.workers`` then lists the live workers."""
+        report = ray.get(self.controller.resize.remote(workers, **options))
+        # (the handles this process made stay: dropping an owner's last handle ends the actor)
+        live = live_worker_handles(self.name, self.namespace)
+        self.workers = [*self.workers[:len(live)], *live[len(self.workers):]]
+        return report
+
     def shutdown(self) -> None:
+        # Workers a resize added live on: find every live one by name, and their bundles.
+        live = live_worker_handles(self.name, self.namespace)
+        self.workers = list(self.workers) + [w for w in live if w not in self.workers]
         try:
             ray.get(self.controller.stop.remote(), timeout=15)
         except (ray.exceptions.RayError, TimeoutError):
@@ -153,6 +166,12 @@ class Deployment:
         for actor in [self.controller, *self.routers, *self.workers]:
             ray.kill(actor, no_restart=True)
         remove_placement_group(self.group)
+        from ray._raylet import PlacementGroupID
+        from ray.util.placement_group import PlacementGroup
+
+        for group in placement_group_table().values():  # a grow's bundles (actors/resize.py)
+            if (group.get("name") or "").startswith(f"{self.name}-resize-") and group.get("state") != "REMOVED":
+                remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(group["placement_group_id"]))))
 
 
 def attach(config: ClusterConfig, name: str = "raymoe", namespace: str = NAMESPACE) -> Deployment:
@@ -167,7 +186,7 @@ def attach(config: ClusterConfig, name: str = "raymoe", namespace: str = NAMESPA
 
     return Deployment(config, load_model_config(config.model), placement, found.routers, found.workers,
                       found.controller, get_placement_group(f"{name}-workers"),
-                      [info["node_id"] for info in found.worker_infos])
+                      [info["node_id"] for info in found.worker_infos], name, namespace)
 
 
 def _wait_loaded(workers: list[Any], routers: list[Any], timeout_s: float) -> None:
@@ -240,24 +259,20 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     balancer = config.balancer
     # The rows `raymoe plan memory --config` and serve's memory check count (moe/memory_plan.py).
     spare_rows = worker_pool_rows(placement.slots_per_worker, balancer.enabled, balancer.max_copies_per_rebalance).spare
-    worker_class = ray.remote(ExpertWorker)
-    threads = [None if gpus else config.cpu.worker_threads] * config.expert_workers
     # CPU actors: the malloc they start with (engine/host_memory.py; jemalloc where found);
     # GPU actors: NCCL's network settings, comm.nccl_env (cluster/gpu_env.py).
     actor_env = gpu_actor_env(config) if gpus else allocator_env(config.cpu.allocator.value)
     runtime_env = {"runtime_env": {"env_vars": actor_env}} if actor_env else {}
-    workers = [
-        worker_class.options(
-            num_cpus=0 if gpus else CPU_SLIVER, num_gpus=1 if gpus else 0, max_concurrency=concurrency,
-            max_restarts=-1,  # a crashed worker is restarted; the controller reloads its experts
-            name=f"{name}-worker-{w}", namespace=namespace, scheduling_strategy=PlacementGroupSchedulingStrategy(group, w // per_node),
-            **runtime_env,
-        ).remote(w, config.model, config.dtype.value, "cuda" if gpus else "cpu", placement.to_dict(), spare_rows,
-                 threads[w], config.cpu.packed_experts, _pin_core(config, gpus, config.cpu.worker_threads, w))
-        for w in range(config.expert_workers)
-    ]
+    # One recipe for every worker, also those a resize adds later (actors/worker_spec.py).
+    spec = WorkerSpec(name=name, namespace=namespace, model=config.model, dtype=config.dtype.value, gpus=gpus,
+                      spare_rows=spare_rows, threads=None if gpus else config.cpu.worker_threads,
+                      packed_experts=config.cpu.packed_experts, pin_threads=config.cpu.pin_threads,
+                      max_concurrency=concurrency, runtime_env=runtime_env)
+    workers = [start_worker(spec, w, placement.to_dict(), PlacementGroupSchedulingStrategy(group, w // per_node))
+               for w in range(config.expert_workers)]
     # Peers travel by name, never as handles in constructor arguments (ActorsByName).
-    worker_refs = ActorsByName(workers, [f"{name}-worker-{w}" for w in range(config.expert_workers)], namespace)
+    # (workers by the deployment's name: a resize changes how many there are, actors/worker_spec.py)
+    worker_refs = LiveWorkers(workers, name, namespace)
     router_class = ray.remote(Router)
     routers = [
         router_class.options(
@@ -286,10 +301,11 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
         namespace=namespace,
     ).remote(ActorsByName(routers, [f"{name}-router-{r}" for r in range(config.routers)], namespace), worker_refs,
              placement.to_dict(), policy, balancer.window_steps, balancer.interval_steps,
-             balancer.poll_interval_s, balancer.enabled, groups)
+             balancer.poll_interval_s, balancer.enabled, groups, spec)
     ray.get(controller.status.remote())  # up and reading telemetry before the first request
     ray.get([router.set_supervisor.remote(controller) for router in routers])
-    return Deployment(config, model_config, placement, routers, workers, controller, group, worker_nodes)
+    return Deployment(config, model_config, placement, routers, workers, controller, group, worker_nodes, name,
+                      namespace)
 
 
 GCS_TASK_EVENTS = 10_000  # tasks whose events Ray's GCS keeps, on a Ray raymoe starts (ensure_ray)

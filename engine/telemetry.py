@@ -82,6 +82,24 @@ class Telemetry:
         self._lock = threading.Lock()
         self.begin_step()
 
+    def resize(self, num_slots: int, num_workers: int) -> None:
+        """A resized expert pool (workers appended or removed at the end): the per-slot and
+        per-worker counters keep the workers that stay, new ones start at zero. Call it between
+        steps (the router holds its engine lock)."""
+        def fit(array: np.ndarray, size: int) -> np.ndarray:
+            out = np.zeros(array.shape[:-1] + (size,), dtype=array.dtype)
+            keep = min(size, array.shape[-1])
+            out[..., :keep] = array[..., :keep]
+            return out
+
+        with self._lock:
+            self.slot_tokens = fit(self.slot_tokens, num_slots)
+            self.worker_rows = fit(self.worker_rows, num_workers)
+            self.worker_bytes_sent = fit(self.worker_bytes_sent, num_workers)
+            self.worker_bytes_received = fit(self.worker_bytes_received, num_workers)
+            self.worker_dropped = fit(self.worker_dropped, num_workers)
+            self.num_slots, self.num_workers = num_slots, num_workers
+
     def record_layer(self, layer: int, slot_counts: list[int], dropped_per_worker, traffic: LayerTraffic,
                      row_bytes: int, meta_row_bytes: int, num_tokens: int) -> None:
         """One MoE layer of the current step, kept as given and added up once, in :meth:`end_step`
