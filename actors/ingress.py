@@ -36,6 +36,7 @@ from raymoe.actors.router import StepFailure
 from raymoe.actors.router_relay import RouterRelay, sequence_id
 from raymoe.actors.serving_metrics import ServingMetrics
 from raymoe.actors.sse import prepend, stream_events
+from raymoe.actors.worker_spec import live_worker_handles
 from raymoe.engine.api.completions import (
     Endpoint, ModelLimits, PreparedRequest, prepare_request, response_body,
 )
@@ -193,6 +194,38 @@ class OpenAIIngress:
         if refusal is not None:
             return refusal
         return JSONResponse(await self.deployment.controller.rebalance.remote(True))
+
+    @app.post("/admin/scale")
+    async def admin_scale(self, request: Request) -> Response:
+        """Grow or shrink the expert pool while serving: ``{"workers": N}`` (actors/resize.py).
+        200 with the report; a refusal answers the status its limit names (400, 409, 503)."""
+        refusal = self._refuse_admin(request)
+        if refusal is not None:
+            return refusal
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return error_response(RequestError('expected a JSON object such as {"workers": 3}', code="invalid_body"))
+        if body.get("routers") is not None:
+            return error_response(RequestError('resizing routers is not supported yet; only "workers" resizes at '
+                                               "runtime", param="routers", code="unsupported"))
+        workers, timeout_s = body.get("workers"), body.get("ready_timeout_s", 60.0)
+        if type(workers) is not int or type(timeout_s) not in (int, float) or not 0 < timeout_s <= 3600:
+            return error_response(RequestError('"workers" must be an integer (and "ready_timeout_s", if given, '
+                                               "seconds in (0, 3600])", param="workers"))
+        report = await self.deployment.controller.resize.remote(workers, float(timeout_s))
+        report.pop("moved", None)
+        if report.get("resized"):  # this replica's /health asks the live workers from now on
+            self.deployment.workers = await asyncio.to_thread(live_worker_handles, self.settings.deployment,
+                                                              self.settings.namespace)
+        if "error" in report:
+            code = "resize_refused" if report.get("refused") else "resize_failed"
+            detail = "" if report.get("refused") else f"; rolled back: {report.get('rolled_back')}"
+            return error_response(RequestError(f"{report['error']}{detail}", param="workers",
+                                               status=report.get("status", 500), code=code))
+        return JSONResponse(report)
 
     def _refuse_admin(self, request: Request) -> Response | None:
         if self.admin_token is None:

@@ -10,7 +10,7 @@ from typing import Sequence
 
 def build_parser() -> argparse.ArgumentParser:
     from raymoe import __version__
-    from raymoe.cluster import bench_cli, demo_model_cli, plan_cli, run_batch_cli, serve_cli, status_cli
+    from raymoe.cluster import bench_cli, demo_model_cli, plan_cli, run_batch_cli, scale_cli, serve_cli, status_cli
 
     parser = argparse.ArgumentParser(
         prog="raymoe",
@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"raymoe {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (serve_cli, run_batch_cli, demo_model_cli, plan_cli, bench_cli, status_cli):
+    for module in (serve_cli, run_batch_cli, demo_model_cli, plan_cli, bench_cli, status_cli, scale_cli):
         module.add_parser(subparsers)
     return parser
 

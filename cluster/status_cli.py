@@ -166,6 +166,10 @@ def format_status(status: dict[str, Any]) -> str:
         f"epoch {status['epoch']}   balancedness {status['balancedness']:.3f} (min layer "
         f"{status['balancedness_min']:.3f}) over {status['window_steps']} steps   rebalances {status['rebalances']}",
         "",
+        f"live size: {status.get('workers', len(status['worker2node']))} expert workers, "
+        f"{status.get('num_routers', len(status.get('routers', [])))} routers"
+        + (f"   (resizing to {status['resizing']['workers']} workers)" if status.get("resizing") else ""),
+        "",
         f"{'worker':>6} {'node':>4} {'load':>10}   experts per MoE layer",
     ]
     for worker, load in enumerate(status["worker_load"]):
@@ -174,6 +178,13 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"{worker:>6} {status['worker2node'][worker]:>4} {load:>10.0f}   {experts}")
     if status.get("actors"):
         lines += ["", *format_actors(status["actors"])]
+    resize = status.get("last_resize")
+    if resize:
+        if resize.get("resized"):
+            lines.append(f"\nlast resize: {resize['workers_before']} -> {resize['workers']} workers in "
+                         f"{resize['seconds']:.2f} s (paused {resize['pause_s']:.3f} s, {resize['copies']} expert copies)")
+        elif "error" in resize:
+            lines.append(f"\nlast resize {'refused' if resize.get('refused') else 'failed'}: {resize['error']}")
     last = status.get("last_rebalance")
     if last:
         if "error" in last:
