@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from raymoe.actors.attach import NAMESPACE, attach_actors
 from raymoe.actors.front_door import PROBE_HEADROOM, RETRY_AFTER_S, FrontDoor, FrontDoorPolicy
 from raymoe.actors.http_listener import harden_direct_ingress
+from raymoe.actors.rank_watch import HEALTHY
 from raymoe.actors.router import StepFailure
 from raymoe.actors.router_relay import RouterRelay, sequence_id
 from raymoe.actors.serving_metrics import ServingMetrics
@@ -50,6 +51,7 @@ from raymoe.engine.tokenizer import Tokenizer
 
 LOG = logging.getLogger("raymoe.ingress")
 HEALTH_TIMEOUT_S = 5.0
+WATCH_TIMEOUT_S = 2.0  # /health asks the controller's rank watch this long before asking each actor
 REPLICA_HEADER = "x-raymoe-replica"  # which ingress replica answered (Serve's replica id)
 PREPARE_THREADS = 4  # bodies validated, tokenized and templated at once, off the event loop
 
@@ -151,20 +153,49 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def health(self) -> Response:
+        """Every router and worker with its state: from the controller's rank watch
+        (actors/rank_watch.py: serving, alive, stalled, wedged, dead; its last progress), and
+        from asking each actor here, so that one silent now is ``unresponsive`` before the
+        watch's limit has passed. 503 when any rank is not serving or alive."""
+        ranks = await self._rank_states()
+        failed = [f"{row['rank']}: {row['state']}" + (f" ({row['reason']})" if row.get("reason") else "")
+                  for row in ranks if row["state"] not in HEALTHY]
+        if failed:
+            return JSONResponse({"status": "unhealthy", "reason": "; ".join(failed)[:1000], "ranks": ranks},
+                                status_code=503)
+        return JSONResponse({"status": "ok", "routers": len(self.deployment.routers),
+                             "expert_workers": len(self.deployment.workers), "ranks": ranks},
+                            headers={REPLICA_HEADER: self.replica, f"{REPLICA_HEADER}-pid": str(os.getpid())})
+
+    async def _rank_states(self) -> list[dict[str, Any]]:
         actors = {**{f"router {i}": a for i, a in enumerate(self.deployment.routers)},
                   **{f"worker {i}": a for i, a in enumerate(self.deployment.workers)}}
-        answers = await asyncio.gather(*[asyncio.wait_for(a.info.remote(), HEALTH_TIMEOUT_S) for a in actors.values()],
-                                       return_exceptions=True)
-        # Any actor that does not answer makes the service unhealthy; the reason names each one
-        # and why (a frozen actor's TimeoutError has no text of its own).
-        failed = [f"{name}: " + (f"no answer within {HEALTH_TIMEOUT_S:g} s" if isinstance(answer, asyncio.TimeoutError)
-                                 else f"{type(answer).__name__}: {(str(answer).strip() or 'no detail').splitlines()[0]}")
-                  for name, answer in zip(actors, answers) if isinstance(answer, BaseException)]
-        if failed:
-            return JSONResponse({"status": "unhealthy", "reason": "; ".join(failed)[:500]}, status_code=503)
-        return JSONResponse({"status": "ok", "routers": len(self.deployment.routers),
-                             "expert_workers": len(self.deployment.workers)},
-                            headers={REPLICA_HEADER: self.replica, f"{REPLICA_HEADER}-pid": str(os.getpid())})
+
+        async def watch() -> dict[str, dict[str, Any]]:
+            try:
+                report = await asyncio.wait_for(self.deployment.controller.rank_states.remote(), WATCH_TIMEOUT_S)
+                return {row["rank"]: row for row in report["ranks"]}
+            except Exception:  # no controller now (restarting): the actors' own answers say enough
+                return {}
+
+        watched, *answers = await asyncio.gather(
+            watch(), *[asyncio.wait_for(a.info.remote(), HEALTH_TIMEOUT_S) for a in actors.values()],
+            return_exceptions=True)
+        watched = watched if isinstance(watched, dict) else {}
+        rows = []
+        for name, answer in zip(actors, answers):
+            row = dict(watched.get(name) or {"rank": name, "state": "alive", "reason": ""})
+            if row["state"] in ("wedged", "dead"):
+                pass  # the watch knows more (and has started recovery)
+            elif isinstance(answer, asyncio.TimeoutError):  # a frozen actor's TimeoutError has no text of its own
+                row.update(state="unresponsive", reason=f"no answer within {HEALTH_TIMEOUT_S:g} s")
+            elif isinstance(answer, BaseException):
+                text = (str(answer).strip() or "no detail").splitlines()[0]
+                row.update(state="dead", reason=f"{type(answer).__name__}: {text}")
+            elif row.get("pid") is None:
+                row["pid"] = answer.get("pid")
+            rows.append(row)
+        return rows
 
     @app.get("/metrics")
     async def metrics(self) -> Response:

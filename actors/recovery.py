@@ -35,6 +35,7 @@ from typing import Any
 
 import ray
 
+from raymoe.actors.rank_watch import RankWatching
 from raymoe.kernels.comm import errors as comm_errors
 from raymoe.moe.placement import PlacementTable
 
@@ -148,7 +149,7 @@ def _until_available(call, timeout_s: float = RESTART_TIMEOUT_S, call_timeout_s:
             time.sleep(0.5)
 
 
-class Recovery:
+class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (actors/rank_watch.py)
     """The controller's recovery (module docstring): mixed into ``Controller``."""
 
     def _init_recovery(self) -> None:
@@ -161,6 +162,7 @@ class Recovery:
         # The last recovery's workers' errors, how many recoveries in a row saw them, and the
         # steps the workers had served then (a served step ends a streak).
         self._failure_streak: tuple[tuple, int, int] = ((), 0, -1)
+        self._init_rank_watch()  # its thread waits for the constructor to finish
 
     # ---- failure recovery -------------------------------------------------------------------
     def recover(self, generation: int) -> int:

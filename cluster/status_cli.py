@@ -81,6 +81,11 @@ def _status(args: argparse.Namespace) -> int:
         return 1
     status = ray.get(controller.status.remote(), timeout=60)
     status["actors"] = actor_rows(len(status.get("routers", [])), len(status["worker2node"]), args.namespace)
+    try:  # each rank's state from the controller's watch (actors/rank_watch.py)
+        status["rank_states"] = ray.get(controller.rank_states.remote(), timeout=ACTOR_TIMEOUT_S)
+    except Exception as error:
+        status["rank_states"] = {"error": f"{type(error).__name__}: {str(error).strip()[:200]}", "ranks": []}
+    merge_rank_states(status["actors"], status["rank_states"])
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0
 
@@ -134,13 +139,26 @@ def actor_rows(num_routers: int, num_workers: int, namespace: str = NAMESPACE,
     return rows
 
 
+def merge_rank_states(rows: list[dict[str, Any]], report: dict[str, Any]) -> None:
+    """Each row gains the watch's ``rank_state`` (serving, alive, stalled, wedged, dead), its
+    reason and the seconds since its last progress (None where the watch has no row)."""
+    watched = {rank["rank"]: rank for rank in report.get("ranks", [])}
+    for row in rows:
+        rank = watched.get(row["actor"], {})
+        row.update(rank_state=rank.get("state"), rank_reason=rank.get("reason") or None,
+                   since_progress_s=rank.get("since_progress_s"))
+
+
 def format_actors(rows: list[dict[str, Any]]) -> list[str]:
-    lines = [f"{'actor':<10} {'pid':>8} {'node':<16} {'alive':<6} {'in-flight':>9}   last failure"]
+    lines = [f"{'actor':<10} {'pid':>8} {'node':<16} {'alive':<6} {'in-flight':>9} {'state':<12} {'progress':>8}"
+             f"   last failure"]
     for row in rows:
         alive = "yes" if row["alive"] else "NO"
-        failure = row.get("state") or row["last_failure"] or "-"
+        failure = row.get("rank_reason") or row.get("state") or row["last_failure"] or "-"
+        since = row.get("since_progress_s")  # seconds since its counter last advanced
         lines.append(f"{row['actor']:<10} {row['pid'] or '-':>8} {row['node'] or '-':<16} {alive:<6} "
-                     f"{'-' if row['in_flight'] is None else row['in_flight']:>9}   {failure}"[:200])
+                     f"{'-' if row['in_flight'] is None else row['in_flight']:>9} {row.get('rank_state') or '-':<12} "
+                     f"{'-' if since is None else f'{since:.1f}s':>8}   {failure}"[:240])
     return lines
 
 

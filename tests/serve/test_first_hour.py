@@ -104,9 +104,10 @@ def test_status_prints_routers_and_workers_in_text(cpu_2x3):
     worker_pids = {int(rows[f"worker {w}"][2]) for w in range(3)}
     assert router_pids == set(cpu_2x3.actor_pids("Router")), done.stdout
     assert worker_pids == set(cpu_2x3.actor_pids("ExpertWorker")), done.stdout
-    for name, fields in rows.items():  # actor pid node alive in-flight last-failure
-        assert fields[3] == "127.0.0.1" and fields[4] == "yes" and fields[6] == "-", done.stdout
+    for name, fields in rows.items():  # actor pid node alive in-flight state progress last-failure
+        assert fields[3] == "127.0.0.1" and fields[4] == "yes" and fields[8] == "-", done.stdout
         assert fields[5] == ("0" if name.startswith("router") else "-"), done.stdout
+        assert fields[6] in ("alive", "serving"), done.stdout  # the controller's rank watch
     assert "in-flight" in done.stdout and "last failure" in done.stdout
 
 
@@ -143,7 +144,10 @@ def test_explicit_example_answers_and_health_names_a_frozen_router(cache, tmp_pa
         server.wait_ready()
         body = post(f"{server.url}/v1/completions", README_BODY)
         assert body["model"] == "demo-mixtral" and body["usage"]["completion_tokens"] == 16
-        assert get(f"{server.url}/health") == (200, {"status": "ok", "routers": 1, "expert_workers": 2})
+        status, answer = get(f"{server.url}/health")
+        assert (status, answer["status"], answer["routers"], answer["expert_workers"]) == (200, "ok", 1, 2), answer
+        assert [row["rank"] for row in answer["ranks"]] == ["router 0", "worker 0", "worker 1"], answer
+        assert all(row["state"] in ("serving", "alive") for row in answer["ranks"]), answer
         (router,) = server.actor_pids("Router")
         os.kill(router, signal.SIGSTOP)
         try:
@@ -151,7 +155,8 @@ def test_explicit_example_answers_and_health_names_a_frozen_router(cache, tmp_pa
         finally:
             os.kill(router, signal.SIGCONT)
         assert status == 503 and answer["status"] == "unhealthy"
-        assert answer["reason"] == "router 0: no answer within 5 s", answer
+        # silent for 5 s, short of the rank watch's limit (0.8 x comm.timeout_s, 30 s): unresponsive, not yet wedged
+        assert answer["reason"] == "router 0: unresponsive (no answer within 5 s)", answer
         deadline = time.monotonic() + 60
         while get(f"{server.url}/health")[0] != 200:  # thawed: healthy again
             assert time.monotonic() < deadline

@@ -1,0 +1,244 @@
+"""Wedged ranks: a router or expert worker that Ray still calls alive but that makes no progress
+(SIGSTOPped, stuck with the GIL held, its process hung) is found within the exchange deadline
+and handed to recovery as a dead one.
+
+The controller (actors/recovery.py's :class:`Recovery` mixes :class:`RankWatching` in, so
+``rank_states`` is one of the controller actor's calls) runs one thread that probes every rank
+each ``PROBE_INTERVAL_S``: a router's ``get_telemetry`` (its progress counter, the tokens it has
+generated plus the bytes its exchanges sent, and its requests in flight) and a worker's ``info`` (``steps_served``), at most one
+probe per rank in flight. Each rank's progress time is when its counter last advanced (the
+controller's clock: no clocks are compared across machines). Per rank, one of:
+
+- ``serving``: it answers and its counter advanced within the deadline;
+- ``alive``: it answers and the deployment has nothing to do;
+- ``stalled``: it answers, the routers hold requests, and its counter has not moved for longer
+  than the deadline (reported, never acted on: in a lockstep group every rank stalls when one
+  fails, and the exchange's own deadline and recovery handle a peer that stops answering there);
+- ``wedged``: Ray's actor table says ALIVE (this incarnation for longer than the deadline) and a
+  probe has had no answer for ``WEDGE_FRACTION`` of ``comm.timeout_s``. The rank is killed at once
+  (``ray.kill``, Ray restarts it: ``max_restarts=-1``), so it cannot come back half-way, and from
+  there recovery treats it as it treats a dead one: a router's requests move to a live router
+  (actors/router_relay.py), a worker's experts are served from replicas or reloaded;
+- ``dead``: Ray reports it dead or restarting, or a probe failed with an actor error.
+
+``rank_states()`` returns every rank's row (state, reason, last progress time, seconds since it)
+and the wedged ranks found so far (``wedged``: rank, pid, reason, seconds its probe went
+unanswered, the time of the kill). ``raymoe status`` shows them; so does the ingress' ``/health``
+(actors/ingress.py), which also asks each actor itself and calls one that is silent for 5 s
+``unresponsive`` before the watch's limit has passed. Only ``serving`` and ``alive`` are healthy.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import ray
+
+PROBE_INTERVAL_S = 0.25  # how often every rank is probed (one probe per rank in flight)
+WEDGE_FRACTION = 0.8  # no answer for this much of comm.timeout_s: wedged (found within the deadline)
+DEFAULT_DEADLINE_S = 30.0  # comm.timeout_s when the controller was given no groups
+GCS_TIMEOUT_S = 2.0
+WEDGED_KEPT = 32  # wedged ranks remembered for rank_states()
+STATES = ("serving", "alive", "stalled", "wedged", "dead")
+HEALTHY = frozenset({"serving", "alive"})  # any other state makes /health answer 503
+
+
+class RankRecord:
+    """What the watch knows of one rank (one actor handle)."""
+
+    def __init__(self, name: str, kind: str, actor: Any):
+        self.name, self.kind, self.actor = name, kind, actor
+        self.actor_id = actor._actor_id.hex()
+        self.pending: Any = None  # the probe in flight
+        self.asked_at = 0.0
+        self.answered_at: float | None = None  # monotonic
+        self.counter: int | None = None
+        self.progress_at: float | None = None  # monotonic: when the counter last advanced
+        self.progress_wall: float | None = None  # the same, wall clock (for reports)
+        self.has_work = False
+        self.first_answer_at: float | None = None  # monotonic: this incarnation's first answer
+        self.pid: int | None = None
+        self.ray_state = "ALIVE"
+        self.incarnation: int | None = None  # Ray's NumRestarts
+        self.alive_since = time.monotonic()
+        self.killed_incarnation: int | None = None
+        self.state, self.reason = "alive", ""
+
+
+def actor_table_entry(actor_id: str) -> dict[str, Any]:
+    """Ray's actor table row of ``actor_id`` (State, NumRestarts; {} when unknown)."""
+    from ray._private.state import actors
+
+    try:
+        return actors(actor_id=actor_id) or {}
+    except Exception:  # the GCS is slow or gone: nothing known this round
+        return {}
+
+
+class RankWatch:
+    """The watch thread over ``host.routers`` and ``host.workers`` (read every round: a resize
+    may change them), with ``host.groups["timeout_s"]`` as the deadline."""
+
+    def __init__(self, host: Any, interval_s: float = PROBE_INTERVAL_S):
+        self.host, self.interval_s = host, interval_s
+        self.records: dict[str, RankRecord] = {}
+        self.wedged: list[dict[str, Any]] = []
+        self.last_error: str | None = None  # the last round's failure, if any
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="raymoe-rank-watch", daemon=True)
+        self._thread.start()
+
+    # ---- the thread -----------------------------------------------------------------------
+    def deadline_s(self) -> float:
+        groups = getattr(self.host, "groups", None) or {}
+        return float(groups.get("timeout_s") or DEFAULT_DEADLINE_S)
+
+    def _stopped(self) -> bool:
+        stopped = getattr(self.host, "_stopped", None)
+        return stopped is not None and stopped.is_set()
+
+    def _run(self) -> None:
+        while getattr(self.host, "workers", None) is None or getattr(self.host, "routers", None) is None:
+            time.sleep(0.1)  # the controller's constructor is still running
+        while not self._stopped():
+            started = time.monotonic()
+            try:
+                self.round()
+            except Exception as error:  # keep watching; the next round starts afresh
+                self.last_error = f"{type(error).__name__}: {error}"
+            time.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    def _ranks(self) -> list[tuple[str, str, Any]]:
+        return [*((f"router {i}", "router", a) for i, a in enumerate(list(self.host.routers))),
+                *((f"worker {i}", "worker", a) for i, a in enumerate(list(self.host.workers)))]
+
+    def round(self) -> None:
+        """Probe every rank, read the answers that came, and judge each rank."""
+        ranks = self._ranks()
+        with self._lock:
+            for name, kind, actor in ranks:
+                record = self.records.get(name)
+                if record is None or record.actor_id != actor._actor_id.hex():
+                    self.records[name] = RankRecord(name, kind, actor)
+            for name in set(self.records) - {name for name, _, _ in ranks}:
+                del self.records[name]
+            records = list(self.records.values())
+        now = time.monotonic()
+        for record in records:
+            if record.pending is None:
+                method = record.actor.get_telemetry if record.kind == "router" else record.actor.info
+                record.pending, record.asked_at = method.remote(), now
+        refs = [r.pending for r in records]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.interval_s)
+        ready = set(ready)
+        for record in records:
+            if record.pending in ready:
+                self._answered(record)
+        work = any(r.has_work for r in records if r.kind == "router")
+        deadline = self.deadline_s()
+        for record in records:
+            self._judge(record, work, deadline)
+
+    def _answered(self, record: RankRecord) -> None:
+        ref, record.pending = record.pending, None
+        now = time.monotonic()
+        try:
+            answer = ray.get(ref, timeout=0)
+        except ray.exceptions.RayError as error:
+            record.state = "dead"
+            record.reason = f"{type(error).__name__}: {(str(error).strip() or 'no detail').splitlines()[0]}"[:300]
+            record.answered_at = None
+            return
+        if record.kind == "router":
+            # tokens sampled, and bytes its exchanges sent (a long prefill or a scoring job samples none)
+            counter = int(answer.get("generated_tokens", 0)) + int(answer.get("bytes_sent", 0))
+            record.has_work = bool(answer.get("requests_running", 0) or answer.get("requests_waiting", 0))
+        else:
+            counter = int(answer.get("steps_served", 0))
+            record.pid = answer.get("pid", record.pid)
+        if record.counter is not None and counter != record.counter:  # it advanced since the last answer
+            record.progress_at, record.progress_wall = now, time.time()
+        if record.first_answer_at is None:
+            record.first_answer_at = now
+        record.counter = counter
+        record.answered_at = now
+
+    def _judge(self, record: RankRecord, work: bool, deadline: float) -> None:
+        now = time.monotonic()
+        entry = actor_table_entry(record.actor_id)
+        state, incarnation = entry.get("State", record.ray_state), entry.get("NumRestarts", record.incarnation)
+        if incarnation != record.incarnation or (state == "ALIVE") != (record.ray_state == "ALIVE"):
+            record.alive_since = now  # a new incarnation, or alive again: its clock starts now
+            if incarnation != record.incarnation and record.incarnation is not None:
+                record.pending, record.counter, record.answered_at, record.pid = None, None, None, None
+                record.first_answer_at, record.progress_at = None, None
+        record.ray_state, record.incarnation = state, incarnation
+        if state != "ALIVE":
+            record.state, record.reason = "dead", f"Ray reports the actor {state.lower()}"
+            record.pending = None  # asked again once it is back
+            return
+        silent = now - record.asked_at if record.pending is not None else 0.0
+        limit = WEDGE_FRACTION * deadline
+        if record.pending is not None and silent > limit and now - record.alive_since > limit:
+            record.state = "wedged"
+            record.reason = (f"alive (Ray) but no answer to a progress probe for {silent:.1f} s "
+                             f"(limit {limit:.1f} s, {WEDGE_FRACTION:g} x comm.timeout_s)")
+            if record.killed_incarnation != incarnation:
+                self._kill(record, silent)
+            return
+        if record.answered_at is None:
+            return  # not heard from yet (its first probe is in flight): keep the last state
+        since = now - (record.progress_at or record.first_answer_at or now)
+        if work and since > deadline:
+            record.state = "stalled"
+            record.reason = f"answers, but no progress for {since:.1f} s while requests are in flight"
+        elif record.progress_at is not None and now - record.progress_at <= deadline:
+            record.state, record.reason = "serving", ""
+        else:
+            record.state, record.reason = "alive", ""
+
+    def _kill(self, record: RankRecord, silent: float) -> None:
+        """A wedged rank is killed (Ray restarts it), so that recovery handles it as a dead one."""
+        record.killed_incarnation = record.incarnation
+        try:
+            ray.kill(record.actor, no_restart=False)
+            outcome = "killed; Ray restarts it and recovery takes it as a dead rank"
+        except Exception as error:
+            outcome = f"kill failed: {type(error).__name__}: {error}"
+        record.reason += f"; {outcome}"
+        with self._lock:
+            self.wedged.append({"rank": record.name, "pid": record.pid, "reason": record.reason,
+                                "silent_s": round(silent, 3), "time": time.time()})
+            del self.wedged[:-WEDGED_KEPT]
+
+    # ---- the report -------------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        now, wall = time.monotonic(), time.time()
+        with self._lock:
+            records = list(self.records.values())
+            wedged = list(self.wedged)
+        ranks = []
+        for record in records:
+            ranks.append({
+                "rank": record.name, "state": record.state, "reason": record.reason, "pid": record.pid,
+                "last_progress_time": record.progress_wall,
+                "since_progress_s": None if record.progress_at is None else round(now - record.progress_at, 3),
+                "since_answer_s": None if record.answered_at is None else round(now - record.answered_at, 3),
+                "progress": record.counter,
+            })
+        return {"time": wall, "deadline_s": self.deadline_s(), "wedge_after_s": WEDGE_FRACTION * self.deadline_s(),
+                "ranks": ranks, "wedged": wedged, "watch_error": self.last_error}
+
+
+class RankWatching:
+    """The controller's side (mixed into actors/recovery.py's ``Recovery``): the watch starts
+    with the controller and ``rank_states`` reports it."""
+
+    def _init_rank_watch(self) -> None:
+        self._rank_watch = RankWatch(self)
+
+    def rank_states(self) -> dict[str, Any]:
+        """Every router's and worker's state (module docstring) and the wedged ranks found."""
+        return self._rank_watch.report()
