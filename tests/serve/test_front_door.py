@@ -9,6 +9,7 @@ import concurrent.futures
 import http.client
 import json
 import statistics
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -174,20 +175,56 @@ def test_a_disconnect_storm_stops_generation_and_leaks_no_thread(server):
     assert max(threads_after) <= max(max(threads_before), ROUTER_CONCURRENCY + RAY_OWN_THREADS)
 
 
-def test_models_stays_responsive_while_large_prompts_are_tokenized(server):
-    big = {"prompt": "lorem ipsum dolor sit amet " * 38_000}  # ~1 MiB of text, tokenized then refused
+IN_FLIGHT_S = 8.0  # how long six large prompts are kept in flight while /v1/models is polled
+
+
+def poll_models(url: str, seconds: float) -> list[float]:
+    """/v1/models latencies, one call after another for ``seconds``, sorted."""
     latencies = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        started = time.perf_counter()
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
+            response.read()
+        latencies.append(time.perf_counter() - started)
+    return sorted(latencies)
+
+
+def p99(latencies: list[float]) -> float:
+    return latencies[int(0.99 * (len(latencies) - 1))]
+
+
+def test_models_stays_responsive_while_large_prompts_are_tokenized(server):
+    """Six ~900 kB prompts kept in flight (each posted again once answered: parsed, tokenized,
+    then refused, 714k tokens against a context of 1,024) while /v1/models is polled, one call
+    after another, for IN_FLIGHT_S. Before the prompts were counted rather than listed
+    (engine/tokenizer.py: the id list held the GIL 25 ms per prompt) and took turns on a
+    low-priority pool of their own (actors/ingress.py, LARGE_BODY_BYTES), p99 was 120-200 ms
+    on a quiet machine and 690 ms beside two busy processes; since, 6-20 and 36-41 ms
+    (benchmarks/bench_front_door.py, docs/BENCHMARKS.md)."""
+    idle = poll_models(server.url, 2.0)  # this machine's own noise, now
+    big = json.dumps({"prompt": "lorem ipsum dolor sit amet " * 34_000}).encode()  # 918 kB
+    answers, stop = [], threading.Event()
+
+    def sender() -> None:
+        while not stop.is_set():
+            answers.append(post(f"{server.url}/v1/completions", big))
+
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(post, f"{server.url}/v1/completions", big) for _ in range(6)]
-        while not all(f.done() for f in futures) and len(latencies) < 400:
-            started = time.perf_counter()
-            with urllib.request.urlopen(f"{server.url}/v1/models", timeout=30) as response:
-                response.read()
-            latencies.append(time.perf_counter() - started)
-        codes = [f.result()[0] for f in futures]
-    assert codes == [400] * 6  # beyond the tiny model's context: refused after tokenizing
-    latencies.sort()
-    p99 = latencies[int(0.99 * (len(latencies) - 1))]
-    print(f"/v1/models during 6 x 1 MiB prompts: {len(latencies)} calls, p50 "
-          f"{1e3 * statistics.median(latencies):.1f} ms, p99 {1e3 * p99:.1f} ms")
-    assert p99 < 0.25  # the issue asks 100 ms; the margin is for 2 shared cores
+        senders = [pool.submit(sender) for _ in range(6)]
+        time.sleep(0.5)  # every prompt on its way
+        loaded = poll_models(server.url, IN_FLIGHT_S)
+        stop.set()
+        for done in senders:
+            done.result()
+    # Beyond the tiny model's context: every one refused after tokenizing, with its count.
+    assert len(answers) >= 6 and all(code == 400 for code, _ in answers), [code for code, _ in answers]
+    assert all(body["error"]["code"] == "context_length_exceeded" and "714000 tokens" in body["error"]["message"]
+               for _, body in answers), answers[0]
+    print(f"/v1/models idle: p50 {1e3 * statistics.median(idle):.1f} ms, p99 {1e3 * p99(idle):.1f} ms; with 6 x "
+          f"900 kB prompts in flight: {len(loaded)} calls, p50 {1e3 * statistics.median(loaded):.1f} ms, p99 "
+          f"{1e3 * p99(loaded):.1f} ms; {len(answers)} prompts answered")
+    assert p99(loaded) < 0.15  # the issue's bound
+    # The bound that tells a blocked event loop apart on a quiet machine too (there the old
+    # code stayed under 150 ms: 120 ms): relative to this machine's idle p99 at the time.
+    assert p99(loaded) < max(0.06, 5 * p99(idle))
