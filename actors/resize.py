@@ -85,7 +85,8 @@ class Resize:
         """Grow or shrink the expert pool to ``workers`` while serving. Returns a report:
         ``resized`` (bool), ``workers_before``/``workers``, ``seconds`` (from the call to
         serving at the new size), ``pause_s`` (the group rebuild, when routers wait),
-        ``copies``, ``bytes_copied`` and ``bytes_all_experts`` (copying every expert once);
+        ``copies``, ``bytes_copied`` and ``bytes_all_experts`` (copying every expert once), and
+        the phases' seconds (``reserve_s``, ``start_s`` of a grow; ``copy_s``: copies and activation);
         refused: ``refused`` True, ``error`` naming the limit and ``status`` (400, 409, 503)."""
         try:
             workers = int(workers)
@@ -163,6 +164,7 @@ class Resize:
                 "(add nodes, or let Ray's autoscaler add them, and try again)")
             error.status = 503
             raise error
+        phases = {"reserve_s": time.perf_counter() - started}
         bundle_nodes = placement_group_table(bundles)["bundles_to_node_id"]
         new_nodes = self._node_indices([bundle_nodes[i] for i in range(len(added))], old)
         # Step 2: the new workers, every slot empty (they read no weights), in a new epoch.
@@ -182,6 +184,7 @@ class Resize:
         except Exception as error:
             end_new_workers()
             return self._failed(f"starting workers {added} failed: {type(error).__name__}: {error}", started)
+        phases["start_s"] = time.perf_counter() - started - phases["reserve_s"]
         everyone = old + new
         load = self.window_load() if self.window else None
         phy2log, copies = plan_grow(current, target, load, new_nodes)
@@ -201,25 +204,24 @@ class Resize:
                 self._join_migration_group(old)
                 return self._failed(f"copying experts onto workers {added} failed: {_describe(error)}", started,
                                     rolled_back="before the switch: the placement in service never changed")
+            phases["copy_s"] = time.perf_counter() - started - phases["reserve_s"] - phases["start_s"]
             # Step 4: the group with the new workers; routers switch while it is down.
             if self._take_fault("resize_join"):  # (tests) a new worker dies while joining
                 ray.kill(new[-1], no_restart=True)
-            paused = time.perf_counter()
             try:
-                self._switch(everyone, table)
+                pause = self._switch(everyone, table)
             except Exception as error:
                 self._roll_back_to(old, current)
                 end_new_workers()
                 return self._failed(f"joining workers {added} to the group failed: {_describe(error)}", started,
                                     rolled_back=f"back to {len(old)} workers (epoch {self.placement.epoch}), "
                                                 "the group rebuilt over them")
-            pause = time.perf_counter() - paused
             ray.get([w.retire.remote(table.epoch) for w in everyone], timeout=CALL_TIMEOUT_S)
             self.workers = everyone
             self.worker_pids = list(self.worker_pids) + pids
             self.placement = table
             self.resize_groups.append((bundles, set(added)))
-        return self._report(len(old), target, started, pause, copies, moved, table)
+        return dict(self._report(len(old), target, started, pause, copies, moved, table), **phases)
 
     # ---- shrinking ---------------------------------------------------------------------
     def _shrink(self, target: int) -> dict[str, Any]:
@@ -230,6 +232,7 @@ class Resize:
         load = self.window_load() if self.window else None
         phy2log, copies = plan_shrink(current, target, load, self.worker_spec.spare_rows)  # may refuse
         drained = self._table(phy2log, current.worker2node.tolist())
+        phases: dict[str, float] = {}
         with self._recover_lock:
             # Step 1: the leaving workers' experts onto staying ones; routing moves off them.
             try:
@@ -242,6 +245,7 @@ class Resize:
                 self._join_migration_group(old)
                 return self._failed(f"copying the leaving workers' experts failed: {_describe(error)}", started,
                                     rolled_back="before the switch: the placement in service never changed")
+            phases["copy_s"] = time.perf_counter() - started
             ray.get([r.set_placement.remote(drained.to_dict()) for r in self.routers], timeout=CALL_TIMEOUT_S)
             ray.get([w.retire.remote(drained.epoch) for w in old], timeout=CALL_TIMEOUT_S)
             self.placement = drained
@@ -249,16 +253,14 @@ class Resize:
             table = truncate(drained, target, self._next_epoch())
             ray.get([w.activate.remote(table.epoch, drained.epoch, table.to_dict()) for w in kept],
                     timeout=CALL_TIMEOUT_S)
-            paused = time.perf_counter()
             try:
-                self._switch(kept, table)
+                pause = self._switch(kept, table)
             except Exception as error:
                 self._roll_back_to(old, drained)
                 return self._failed(f"rebuilding the group without workers {list(range(target, len(old)))} failed: "
                                     f"{_describe(error)}", started,
                                     rolled_back=f"back to {len(old)} workers (epoch {self.placement.epoch}); "
                                                 "nothing is routed to the leaving workers")
-            pause = time.perf_counter() - paused
             ray.get([w.retire.remote(table.epoch) for w in kept], timeout=CALL_TIMEOUT_S)
             self.workers = kept
             self.worker_pids = list(self.worker_pids)[:target]
@@ -273,7 +275,7 @@ class Resize:
             if min(indices) >= target:  # every worker it placed has left
                 remove_placement_group(bundles)
                 self.resize_groups.remove((bundles, indices))
-        return self._report(len(old), target, started, pause, copies, moved, table)
+        return dict(self._report(len(old), target, started, pause, copies, moved, table), **phases)
 
     # ---- parts ---------------------------------------------------------------------------
     def _next_epoch(self) -> int:
@@ -321,9 +323,11 @@ class Resize:
             except Exception:
                 pass  # a worker that does not answer is recovery's business
 
-    def _switch(self, workers: list[Any], table: PlacementTable) -> None:
+    def _switch(self, workers: list[Any], table: PlacementTable) -> float:
         """Rebuild the deployment's group over ``workers`` (every one a member), the routers
-        switched to ``table`` while it is down, and the migration group over them."""
+        switched to ``table`` while it is down, and the migration group over them. Returns the
+        seconds the routers had no group (from their abort to the group's join)."""
+        started = time.perf_counter()
         ray.get([r.abort_comm.remote() for r in self.routers], timeout=CALL_TIMEOUT_S)
         ray.get([r.set_placement.remote(table.to_dict()) for r in self.routers], timeout=CALL_TIMEOUT_S)
         ray.get([w.reset_comms.remote() for w in workers], timeout=CALL_TIMEOUT_S)
@@ -331,7 +335,9 @@ class Resize:
         self.generation = generation  # a router's recover() of the failed group returns once this is done
         join_ep_group(self.routers, workers, list(range(len(workers))), self.groups["backend"],
                       self.groups["timeout_s"], generation)
+        paused = time.perf_counter() - started
         self._join_migration_group(workers)
+        return paused
 
     def _roll_back_to(self, workers: list[Any], table: PlacementTable) -> None:
         """After a failed group rebuild: ``table``'s placement again over ``workers``, in a newer
