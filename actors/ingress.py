@@ -176,31 +176,32 @@ class OpenAIIngress:
         (actors/rank_watch.py: serving, alive, stalled, wedged, dead; its last progress), and
         from asking each actor here, so that one silent now is ``unresponsive`` before the
         watch's limit has passed. 503 when any rank is not serving or alive."""
-        ranks = await self._rank_states()
+        ranks, wedged = await self._rank_states()
         failed = [f"{row['rank']}: {row['state']}" + (f" ({row['reason']})" if row.get("reason") else "")
                   for row in ranks if row["state"] not in HEALTHY]
         if failed:
-            return JSONResponse({"status": "unhealthy", "reason": "; ".join(failed)[:1000], "ranks": ranks},
-                                status_code=503)
+            return JSONResponse({"status": "unhealthy", "reason": "; ".join(failed)[:1000], "ranks": ranks,
+                                 "wedged": wedged}, status_code=503)
         return JSONResponse({"status": "ok", "routers": len(self.deployment.routers),
-                             "expert_workers": len(self.deployment.workers), "ranks": ranks},
+                             "expert_workers": len(self.deployment.workers), "ranks": ranks, "wedged": wedged},
                             headers={REPLICA_HEADER: self.replica, f"{REPLICA_HEADER}-pid": str(os.getpid())})
 
-    async def _rank_states(self) -> list[dict[str, Any]]:
+    async def _rank_states(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Each rank's row, and the wedged ranks the watch found (and killed) lately."""
         actors = {**{f"router {i}": a for i, a in enumerate(self.deployment.routers)},
                   **{f"worker {i}": a for i, a in enumerate(self.deployment.workers)}}
 
-        async def watch() -> dict[str, dict[str, Any]]:
+        async def watch() -> dict[str, Any]:
             try:
-                report = await asyncio.wait_for(self.deployment.controller.rank_states.remote(), WATCH_TIMEOUT_S)
-                return {row["rank"]: row for row in report["ranks"]}
+                return await asyncio.wait_for(self.deployment.controller.rank_states.remote(), WATCH_TIMEOUT_S)
             except Exception:  # no controller now (restarting): the actors' own answers say enough
                 return {}
 
-        watched, *answers = await asyncio.gather(
+        report, *answers = await asyncio.gather(
             watch(), *[asyncio.wait_for(a.info.remote(), HEALTH_TIMEOUT_S) for a in actors.values()],
             return_exceptions=True)
-        watched = watched if isinstance(watched, dict) else {}
+        report = report if isinstance(report, dict) else {}
+        watched = {row["rank"]: row for row in report.get("ranks", [])}
         rows = []
         for name, answer in zip(actors, answers):
             row = dict(watched.get(name) or {"rank": name, "state": "alive", "reason": ""})
@@ -214,7 +215,7 @@ class OpenAIIngress:
             elif row.get("pid") is None:
                 row["pid"] = answer.get("pid")
             rows.append(row)
-        return rows
+        return rows, report.get("wedged", [])
 
     @app.get("/metrics")
     async def metrics(self) -> Response:

@@ -1,0 +1,115 @@
+"""A router frozen (SIGSTOP) under load, on a real `raymoe serve` over loopback: the controller's
+rank watch (actors/rank_watch.py) reports it wedged within the exchange deadline and kills it,
+its requests move to the other router (stream migration) and every request completes equal
+to the in-process engine's; /health names it meanwhile and is healthy again afterwards.
+Before the watch, a frozen router held every stream of both routers for as long as it stayed
+frozen (docs/RELIABILITY.md, "Recovery measured", case d: 20 s)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from raymoe.engine.engine import EngineConfig, LLMEngine
+from raymoe.engine.sampling_params import SamplingParams
+from server_process import served
+
+TOKEN = "wedged-router-token"
+TIMEOUT_S = 3.0  # comm.timeout_s
+REPORT_SLACK_S = 1.0  # the watch probes every 0.25 s; a report may come a round late on 2 loaded cores
+MAX_TOKENS = 96
+
+
+@pytest.fixture(scope="module")
+def server(tiny_mixtral_dir, tmp_path_factory):
+    yield from served(tmp_path_factory.mktemp("wedged-router"), tiny_mixtral_dir,
+                      f"routers: 2\nexpert_workers: 2\ncomm:\n  backend: gloo\n  timeout_s: {TIMEOUT_S}\n"
+                      "balancer:\n  enabled: false\n  poll_interval_s: 0.2\n", env={"RAYMOE_ADMIN_TOKEN": TOKEN})
+
+
+def call(url: str, path: str, body: dict | None = None) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
+def health(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def generated(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("raymoe:generation_tokens_total"))
+
+
+def test_a_frozen_router_is_reported_wedged_killed_and_its_requests_complete(server, tiny_mixtral_dir):
+    status, answer = health(server.url)
+    assert status == 200 and [r["rank"] for r in answer["ranks"]] == ["router 0", "router 1", "worker 0",
+                                                                      "worker 1"], answer
+    prompts = [[10 + i, 20 + i, 30 + i] for i in range(16)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    reference = LLMEngine.from_pretrained(tiny_mixtral_dir, EngineConfig(dtype="float32"))
+    expected = [o.output_token_ids for o in reference.generate(prompts, params)]
+    victim = call(server.url, "/admin/placement")["routers"][0]["pid"]
+    before = generated(server.url)
+
+    def complete(prompt):
+        return call(server.url, "/v1/completions", {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                    "ignore_eos": True, "return_token_ids": True})
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(complete, p) for p in prompts]
+            deadline = time.monotonic() + 120
+            while generated(server.url) - before < 2 * len(prompts):  # tokens flow on both routers
+                assert time.monotonic() < deadline and not any(f.done() for f in futures), "no tokens flowed"
+                time.sleep(0.05)
+            frozen_at = time.time()
+            os.kill(victim, signal.SIGSTOP)
+            wedged, unhealthy = None, None
+            deadline = time.monotonic() + 60
+            while wedged is None:  # /health blocks up to 5 s on a silent rank: a few calls at most
+                assert time.monotonic() < deadline, "router 0 was never reported wedged"
+                status, answer = health(server.url)
+                if status == 503:
+                    unhealthy = answer
+                wedged = next((w for w in answer.get("wedged", []) if w["rank"] == "router 0"), None)
+            bodies = [f.result(timeout=300) for f in futures]
+        done_after = time.time() - frozen_at
+    finally:
+        try:
+            os.kill(victim, signal.SIGCONT)  # if it was never killed
+        except ProcessLookupError:
+            pass
+    detected_s = wedged["time"] - frozen_at
+    print(f"router 0 frozen: reported wedged and killed after {detected_s:.2f} s (comm.timeout_s {TIMEOUT_S:g} s); "
+          f"all 16 requests done {done_after:.1f} s after the freeze; {wedged['reason']}")
+    assert detected_s <= TIMEOUT_S + REPORT_SLACK_S, wedged
+    assert "no answer" in wedged["reason"] and "killed" in wedged["reason"], wedged
+    assert unhealthy is not None and "router 0: " in unhealthy["reason"], unhealthy  # /health named it
+    assert [b["choices"][0]["token_ids"] for b in bodies] == expected  # none lost, none changed
+    # Router 0 comes back (Ray restarts it, the controller rejoins it) and /health is ok again.
+    deadline = time.monotonic() + 180
+    while True:
+        status, answer = health(server.url)
+        if status == 200:
+            break
+        assert time.monotonic() < deadline, answer
+        time.sleep(1)
+    assert call(server.url, "/admin/placement")["routers"][0]["pid"] != victim
+    assert [b["choices"][0]["token_ids"] for b in map(complete, prompts[:4])] == expected[:4]
