@@ -11,14 +11,15 @@ refused), ``--streams`` streamed completions of ``--tokens`` tokens (half greedy
 temperature 0.9) run; once each has ``--warm-tokens`` tokens the resize is asked for and every
 token's arrival is recorded. A first load without a resize gives the reference tokens.
 
-Per resize: the seconds from the call to its answer (the deployment then serves at the new
+Per resize: how many streams still ran when the resize answered (all of them, or the pause
+below did not see the whole resize), the seconds from the call to its answer (the deployment then serves at the new
 size: the answer comes after the routers switched), the controller's own count of it, how long
 routers waited for the group rebuild, the longest pause between two token events of any stream
 while the resize ran (and without one: the baseline), streams lost and streams whose tokens
 differ from the reference, and the expert bytes copied against copying every expert once.
 
     python benchmarks/bench_resize.py [--start 2] [--sizes 3,4,2,1] [--redundant 0] [--streams 8]
-        [--tokens 160] [--out resize.json]
+        [--tokens 800] [--out resize.json]
     python benchmarks/bench_resize.py --start 3 --redundant 1 --sizes 2,3   # a shrink that copies
 
 Timings depend on the machine's load: on a shared machine they are noisy.
@@ -94,10 +95,12 @@ def load(server, args, workers: int | None) -> dict[str, Any]:
         called = time.monotonic()
         code, report = scale(server.url, workers)
         answered = time.monotonic()
-        result.update(code=code, call_s=answered - called, report=report,
-                      pause_s=pause_during(records, called, answered))
     for thread in threads:
         thread.join(STREAM_TIMEOUT_S)
+    if workers is not None:  # (a stream that ended before the answer did not see all of the resize)
+        result.update(code=code, call_s=answered - called, report=report,
+                      pause_s=pause_during(records, called, answered),
+                      spanned=sum(any(t > answered for t, ids in r["events"] if ids) for r in records))
     result.update(tokens=[token_ids(r) for r in records], lost=sum(is_lost(r, args.tokens) for r in records),
                   longest_gap_s=longest_gap(records))
     return result
@@ -113,6 +116,7 @@ def row(result: dict, reference: list[list[int]]) -> dict[str, Any]:
         "controller_s": round(report["seconds"], 2) if "seconds" in report else None,
         "group_pause_s": round(report["pause_s"], 3) if "pause_s" in report else None,
         "stream_pause_s": round(result["pause_s"], 3) if "pause_s" in result else None,
+        "streams_past_answer": result.get("spanned"),
         "longest_gap_s": round(result["longest_gap_s"], 3),
         "lost": result["lost"], "differing": sum(t != r for t, r in zip(result["tokens"], reference)),
         "reserve_s": _round(report.get("reserve_s")), "start_s": _round(report.get("start_s")),
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--redundant", type=int, default=0,
                         help="placement.redundant_slots_per_worker (slots beyond ceil(8 / start))")
     parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=160)
+    parser.add_argument("--tokens", type=int, default=800, help="tokens per stream: enough to outlast a resize")
     parser.add_argument("--warm-tokens", type=int, default=20)
     parser.add_argument("--out", default=None, help="write the rows and series as JSON here")
     args = parser.parse_args(argv)

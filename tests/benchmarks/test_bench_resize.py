@@ -37,12 +37,12 @@ def test_the_pause_counts_gaps_overlapping_the_resize_only(bench):
 
 def test_a_row_counts_lost_and_differing_streams_and_reads_the_report(bench):
     result = {"workers": 3, "code": 200, "call_s": 1.234, "pause_s": 0.05, "longest_gap_s": 0.2, "lost": 1,
-              "tokens": [[1, 2], [3, 4]],
+              "tokens": [[1, 2], [3, 4]], "spanned": 2,
               "report": {"workers_before": 2, "seconds": 1.2, "pause_s": 0.04, "copies": 16, "bytes_copied": 10,
                          "bytes_all_experts": 20}}
     row = bench.row(result, [[1, 2], [3, 5]])
     assert row["from"] == 2 and row["to"] == 3 and row["differing"] == 1 and row["lost"] == 1
-    assert row["call_s"] == 1.23 and row["copies"] == 16 and row["refused"] is None
+    assert row["call_s"] == 1.23 and row["copies"] == 16 and row["refused"] is None and row["streams_past_answer"] == 2
     refused = bench.row({"workers": 1, "code": 400, "call_s": 0.01, "pause_s": 0.0, "longest_gap_s": 0.1, "lost": 0,
                          "tokens": [], "report": {"error": {"message": "at least 2 workers"}}}, [])
     assert refused["refused"] == "at least 2 workers"
