@@ -54,6 +54,23 @@ def run_worker_slots(
     return scatter_rows_add(rows.shape[0], assign_row, expert_out)
 
 
+def combine_assignments(num_tokens: int, top_k: int, flat: torch.Tensor, expert_out: torch.Tensor,
+                        weights: torch.Tensor) -> torch.Tensor:
+    """The routed output ``[T, D]``: per token, its k expert outputs times their gate weights,
+    added in position order in float32, rounded once to ``expert_out``'s dtype.
+
+    ``flat: [A]`` is ``token * k + position`` of each row of ``expert_out: [A, D]`` (the experts'
+    outputs, unweighted) and ``weights: [A]`` its gate weight; positions that ran nowhere (dropped)
+    add zero. The in-process engine and every router of a deployment combine through this one
+    function, from the same expert outputs (the kernels are row-invariant), so where the experts
+    ran (placement, replicas, how many workers) cannot change a bit of the result, whatever k.
+    """
+    width = expert_out.shape[1]
+    slots = torch.zeros(num_tokens * top_k, width, dtype=torch.float32, device=expert_out.device)
+    slots.index_copy_(0, flat, expert_out.to(torch.float32) * weights.to(torch.float32).unsqueeze(1))
+    return slots.view(num_tokens, top_k, width).sum(dim=1).to(expert_out.dtype)
+
+
 def scatter_rows_add(num_rows: int, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``out[index[a]] += values[a]`` into ``[num_rows, D]`` zeros.
 
@@ -116,6 +133,23 @@ def run_rows(rows: torch.Tensor, row_pool: torch.Tensor, row_weights: torch.Tens
     return slots.view(num_rows, top_k, rows.shape[1]).sum(dim=1).to(rows.dtype), assignments
 
 
+def run_assignments(rows: torch.Tensor, row_pool: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    pool_counts: list[int], executor: Executor | None = None) -> torch.Tensor:
+    """A worker's experts over the rows it received, one output row per assignment, unweighted:
+    ``[A, D]`` in (row, position) order, the order a router reads them back in (the combine of
+    every dtype but float32: kernels/comm/wire.py::RowFormat.per_assignment). Arguments as
+    :func:`run_rows`'."""
+    num_rows, top_k = row_pool.shape
+    assignments = sum(pool_counts)
+    key = row_pool.reshape(-1)
+    if assignments != num_rows * top_k:
+        key = torch.where(key >= 0, key, w13.shape[0])
+    chosen = torch.argsort(key, stable=True)[:assignments]  # flat (row, position), sorted by pool row
+    expert_in = rows.index_select(0, torch.div(chosen, top_k, rounding_mode="floor"))
+    expert_out = grouped_swiglu(expert_in, pool_counts, w13, w2, executor=executor)  # [A, D]
+    return expert_out.index_select(0, torch.argsort(chosen))  # (row, position) order
+
+
 def plan_layer(
     placement: PlacementTable,
     moe_layer: int,
@@ -162,13 +196,9 @@ class LocalExperts:
         )
         self.num_dropped += plan.num_dropped
         self.tokens_per_expert[moe_layer] += plan.slot_counts
-        # One worker: its rows are the tokens with a kept assignment, so the partial sums
-        # are the output (all tokens, in order, when nothing was dropped).
+        # Every kept assignment runs here; the outputs are combined as a router combines them.
         device = hidden.device
-        identity = plan.send_token.numel() == hidden.shape[0]
-        rows = hidden if identity else hidden.index_select(0, plan.send_token.to(device))
-        partial = run_worker_slots(
-            rows, plan.assign_row.to(device), plan.assign_weight.to(device),
-            plan.slot_counts, self.w13[moe_layer], self.w2[moe_layer],
-        )
-        return partial if identity else scatter_rows_add(hidden.shape[0], plan.send_token.to(device), partial)
+        expert_in = hidden.index_select(0, plan.assign_token.to(device))  # [A, D], sorted by slot
+        expert_out = grouped_swiglu(expert_in, plan.slot_counts, self.w13[moe_layer], self.w2[moe_layer])
+        return combine_assignments(hidden.shape[0], topk_ids.shape[1], plan.assign_flat.to(device), expert_out,
+                                   plan.assign_weight.to(device))

@@ -28,8 +28,9 @@ share their kv head through SDPA's ``enable_gqa``, never a copy. Decodes with sh
 (at most ``DECODE_BATCH_MAX_KEYS`` keys, bounded padding) go together instead: one gather of
 their keys ``[Bd, Hkv, Tk, d]`` and one masked SDPA call in which each kv head's query heads are
 its queries (so the scores are ``[Bd, Hkv, H / Hkv, Tk]``). On a float32 CPU with raymoe's native kernels
-(kernels/native_cpu.py) GQA decodes read their keys where they lie instead, and a lone decode
-goes that way too (the same bits as in a batch). On the CPU, SDPA's flash
+(kernels/native_cpu.py), or a bfloat16 one with AVX512_BF16 (kernels/native_bf16.py), GQA decodes
+read their keys where they lie instead, and a lone decode goes that way too (the same bits as in
+a batch, whatever the batch). On the CPU, SDPA's flash
 kernel then runs in tiles (it needs 4-D inputs and Dk == Dv, which is why MLA's values are
 the whole latent row and the output is cut to C).
 """
@@ -42,7 +43,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from raymoe.kernels import native_cpu
+from raymoe.kernels import native_bf16, native_cpu
 from raymoe.moe.model_config import AttentionKind, ModelConfig
 
 QUERY_BLOCK = 256  # queries per masked SDPA call: the mask is at most QUERY_BLOCK x Tk
@@ -166,9 +167,10 @@ class SdpaAttention:
         # A lone decode goes through the native decode kernel too where it will run (float32
         # GQA on the CPU): one call instead of SDPA's ~60 us, and the same bits as when the
         # sequence decodes in a batch. Elsewhere it keeps SDPA over a view of its context.
-        self.single_decodes = (dtype == torch.float32 and device is not None and device.type == "cpu"
+        native = {torch.float32: native_cpu.unavailable_reason, torch.bfloat16: native_bf16.bf16_unavailable_reason}
+        self.single_decodes = (dtype in native and device is not None and device.type == "cpu"
                                and spec.kind is AttentionKind.GQA and spec.key_dim % 16 == 0
-                               and spec.value_dim % 16 == 0 and native_cpu.unavailable_reason() is None)
+                               and spec.value_dim % 16 == 0 and native[dtype]() is None)
 
     def plan(self, metadata: AttentionMetadata, block_size: int) -> "SdpaStep":
         window = self.spec.sliding_window
@@ -234,10 +236,11 @@ class _DecodeBatch:
                out: torch.Tensor) -> None:
         """Write the decodes' outputs into their rows of ``out: [T, H, Dv]``."""
         batch, num_keys = self.rows.shape[0], self.num_keys
-        if spec.kind is AttentionKind.GQA and native_cpu.attention_applies(q, cache[0], cache[1]):
-            native_cpu.decode_attention(q, cache[0], cache[1], self.rows, self.slots.view(batch, num_keys),
+        for native in (native_cpu, native_bf16):  # float32, bfloat16
+            if spec.kind is AttentionKind.GQA and native.attention_applies(q, cache[0], cache[1]):
+                native.decode_attention(q, cache[0], cache[1], self.rows, self.slots.view(batch, num_keys),
                                         self.counts, spec.scale, out)
-            return
+                return
 
         def gather(paged: torch.Tensor) -> torch.Tensor:  # [Nb, bs, ...] -> [Bd, heads, Tk, d]
             keys = paged.flatten(0, 1).index_select(0, self.slots)

@@ -14,11 +14,16 @@ result never depends on which rows share its call (the row-invariance kernels/na
 float32 kernels keep, and placement-independence needs). benchmarks/bench_bf16_kernels.py
 measures them against torch's and oneDNN's at the real models' shapes.
 
-- :func:`linear`: a dense layer (attention projections, the LM head with float32 logits); the LM
-  head's outputs can be split over threads (:func:`linear` ``threads``): on a CPU router the
-  workers idle while it runs, and one core alone does not saturate the memory bus.
+- :func:`linear`: a dense layer (attention projections, the LM head with float32 logits); a layer
+  of ``SPLIT_MIN_BYTES`` or more (the LM heads) has its outputs split over :func:`split_threads`
+  threads, one per core this process may use, up to ``MAX_SPLIT``: on a CPU router the expert
+  workers idle while it runs, and one core alone does not saturate the memory bus (the threads
+  are not pinned even where the caller is: actors/cpu_affinity.py).
 - :func:`swiglu_jobs`: a layer's experts in one call (kernels/expert_mlp.py), gate, up, SiLU and
   down per expert over its rows, in chunks of ``CHUNK_ROWS``.
+- :func:`decode_attention`: kernels/native_cpu.py's decode attention over bfloat16 queries and
+  caches (the same float32 arithmetic: kernels/csrc/decode_attention.inc), each sequence on its
+  own, so a sequence's bits do not depend on the step's other decodes (torch's padded SDPA's do).
 
 Where the library or AVX512_BF16 is unavailable (kernels/native_library.py::bf16_unavailable_reason,
 logged once), or a shape is not taken (K not a multiple of 32), torch's kernels run.
@@ -41,6 +46,7 @@ KERNEL = "native-bf16"  # kernel_name's family; which instructions run it: :func
 # A dense layer is split over threads from this size on (the LM heads: 311 M parameters for
 # Qwen3-30B-A3B's vocabulary); below it a thread's hand-off costs more than the second core saves.
 SPLIT_MIN_BYTES = 64 << 20
+MAX_SPLIT = 4
 _pool: ThreadPoolExecutor | None = None
 _pool_threads = 0
 _chosen: tuple | None = None  # (linear, swiglu, instructions), chosen once per process
@@ -82,11 +88,19 @@ def linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             and (bias is None or _takes(bias)) and bf16_unavailable_reason() is None)
 
 
+def split_threads() -> int:
+    """Threads a layer of ``SPLIT_MIN_BYTES`` or more is split over: the cores this process may use
+    (its main thread's affinity, not a pinned caller's), at most ``MAX_SPLIT``."""
+    if not hasattr(os, "sched_getaffinity"):
+        return 1
+    return max(1, min(MAX_SPLIT, len(os.sched_getaffinity(os.getpid()))))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           out_dtype: torch.dtype = torch.bfloat16, threads: int = 1) -> torch.Tensor:
+           out_dtype: torch.dtype = torch.bfloat16, threads: int | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (:func:`linear_applies` checked) in ``out_dtype`` (bfloat16, or
-    float32 for logits). With ``threads`` > 1 and a weight of ``SPLIT_MIN_BYTES`` or more, the
-    outputs are split over that many threads (the same bits: each output is computed alike)."""
+    float32 for logits). A weight of ``SPLIT_MIN_BYTES`` or more has its outputs split over
+    ``threads`` threads (default :func:`split_threads`): the same bits, each output is computed alike."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1]).contiguous()
     rows, features = flat.shape[0], weight.shape[0]
@@ -101,7 +115,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             flat.data_ptr(), flat.shape[1], out.data_ptr(), features, f32, weight.data_ptr(),
             bias.data_ptr() if bias is not None else None, rows, flat.shape[1], first, end), "raymoe_bf16_linear")
 
-    if threads > 1 and weight.numel() * 2 >= SPLIT_MIN_BYTES:
+    if weight.numel() * 2 >= SPLIT_MIN_BYTES and (threads := threads or split_threads()) > 1:
         bounds = [features * part // threads // 16 * 16 for part in range(threads)] + [features]
         pool = _executor(threads - 1)
         others = [pool.submit(run, bounds[part], bounds[part + 1]) for part in range(1, threads)]
@@ -116,11 +130,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:
-    """The process's threads for split layers (made once; ctypes releases the GIL in the call)."""
+    """The process's threads for split layers (made once; ctypes releases the GIL in the call), free to
+    run on every core the process may use even when the thread that made them is pinned to one."""
     global _pool, _pool_threads
     if _pool is None or _pool_threads < workers:
-        _pool, _pool_threads = ThreadPoolExecutor(workers, thread_name_prefix="raymoe-bf16"), workers
+        _pool, _pool_threads = ThreadPoolExecutor(workers, thread_name_prefix="raymoe-bf16",
+                                                  initializer=_unpin), workers
     return _pool
+
+
+def _unpin() -> None:
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, os.sched_getaffinity(os.getpid()))
 
 
 def experts_apply(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -145,3 +166,21 @@ def swiglu_jobs(x: torch.Tensor, out: torch.Tensor, w13: torch.Tensor, w2: torch
     _check(_kernels()[1](x.data_ptr(), out.data_ptr(), w13.data_ptr(), w2.data_ptr(),
                                                      flat.buffer_info()[0], len(jobs), w13.shape[2], w2.shape[2],
                                                      scratch.data_ptr()), "raymoe_bf16_swiglu_experts")
+
+
+def attention_applies(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether :func:`decode_attention` takes these: bfloat16 on the CPU, contiguous caches, key and
+    value sizes multiples of 16, AVX512_BF16."""
+    return (_takes(q, key_cache, value_cache) and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and q.shape[-1] % 16 == 0 and value_cache.shape[-1] % 16 == 0 and bf16_unavailable_reason() is None)
+
+
+def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, rows: torch.Tensor,
+                     slots: torch.Tensor, counts: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """kernels/native_cpu.py::decode_attention in bfloat16 (:func:`attention_applies` checked)."""
+    q = q.contiguous()
+    heads, kv_heads = q.shape[1], key_cache.shape[-2]
+    _check(STATE.library.raymoe_bf16_decode_attention(
+        q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), rows.data_ptr(), slots.data_ptr(),
+        counts.data_ptr(), out.data_ptr(), rows.shape[0], heads, kv_heads, q.shape[-1], value_cache.shape[-1],
+        slots.shape[1], scale), "raymoe_bf16_decode_attention")

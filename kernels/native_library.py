@@ -41,7 +41,7 @@ _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = (os.path.join(_CSRC, "cpu_f32.c"),  # the float32 kernels
            os.path.join(_CSRC, "cpu_bf16.c"),  # the bfloat16 kernels (AVX512_BF16)
            os.path.join(_CSRC, "cpu_exchange.c"))  # each side's layer of the exchange over sockets
-INCLUDED = (os.path.join(_CSRC, "simd_math.h"),)  # headers the sources include (part of the build's digest)
+INCLUDED = (os.path.join(_CSRC, "simd_math.h"), os.path.join(_CSRC, "decode_attention.inc"))  # headers the sources include (part of the build's digest)
 HEADER_NAME = "raymoe_constants.h"  # generated: c_header()
 CFLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]  # no contraction: only the source's own FMAs
 CHUNK_ROWS = 32  # expert rows per pass over an expert's weights: the swiglu scratch's height
@@ -64,6 +64,7 @@ _SIGNATURES = {
     "raymoe_bf16_swiglu_experts": [_P] * 5 + [_I64] * 3 + [_P],
     "raymoe_amx_linear": [_P, _I64, _P, _I64, ctypes.c_int32, _P, _P] + [_I64] * 4,
     "raymoe_amx_swiglu_experts": [_P] * 5 + [_I64] * 3 + [_P],
+    "raymoe_bf16_decode_attention": [_P] * 7 + [_I64] * 6 + [ctypes.c_float],
 }
 _RETURNS = {name: ctypes.c_int64
             for name in ("raymoe_run_rows", "raymoe_plan_pack", "raymoe_worker_layer", "raymoe_router_layer",

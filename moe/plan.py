@@ -34,6 +34,7 @@ class DispatchPlan:
     slot: torch.Tensor  # [T, k] physical slot of each assignment, -1 where dropped
     assign_slot: torch.Tensor  # [A] slot of each kept assignment, ascending
     assign_token: torch.Tensor  # [A] token of each kept assignment
+    assign_flat: torch.Tensor  # [A] token * k + position of each kept assignment (its place in [T, k])
     assign_weight: torch.Tensor  # [A] float32 combine weight
     assign_row: torch.Tensor  # [A] row in the send buffer holding its token
     slot_counts: torch.Tensor  # [P] kept assignments per slot
@@ -113,6 +114,7 @@ def plan_dispatch(
         slot=flat_slot.view(num_tokens, top_k),
         assign_slot=assign_slot,
         assign_token=assign_token,
+        assign_flat=by_slot,
         assign_weight=assign_weight,
         assign_row=assign_row,
         slot_counts=slot_counts,

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Executor
+from dataclasses import replace
 
 import torch
 
 from raymoe.engine.exchange.sides import RouterExchange, WorkerExchange, WorkerLayerResult, to_device
-from raymoe.engine.experts import run_rows
+from raymoe.engine.experts import run_assignments, run_rows
 from raymoe.kernels import native_cpu
 from raymoe.kernels.comm.base import Communicator
 from raymoe.kernels.comm.errors import CollectiveMismatch, CommError
@@ -59,6 +60,7 @@ class PythonRouterExchange(RouterExchange):
                                            *slot_counts[worker * S:(worker + 1) * S]]
                                           for worker in self._rank_of_worker], dtype=torch.int64), self.device)
         row_bytes = self.combine_row_bytes
+        back = self.rows_back(counts, slot_counts)
         sends, recvs = [], []
         start = offset = 0
         for index, (worker, rank) in enumerate(self._rank_of_worker.items()):
@@ -66,7 +68,7 @@ class PythonRouterExchange(RouterExchange):
             sends.append((rank, headers[index]))
             if count:
                 sends.append((rank, packed[start:start + count]))
-            size = count * row_bytes + TRAILER_BYTES
+            size = back[worker] * row_bytes + TRAILER_BYTES
             recvs.append((rank, received[offset:offset + size]))
             start += count
             offset += size
@@ -152,6 +154,10 @@ class PythonWorkerExchange(WorkerExchange):
         if not total:
             partial = torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device)
             return self._send_sums(layer, counts, total, partial, 0, time.perf_counter() - started)
+        if self.format.per_assignment:  # each assignment's output goes back (kernels/comm/wire.py::RowFormat)
+            back = [sum(fields[HEADER_FIELDS:]) for fields in headers]
+            return self._run_assignments(layer, payload, counts, back, epochs, w13, w2, pool_rows, pool_counts,
+                                         started)
         return self._run_experts(layer, payload, counts, epochs, w13, w2, pool_rows, pool_counts, started)
 
     def _run_native(self, layer, payload, counts, epochs, w13, w2, pool_rows, pool_counts, started):
@@ -170,6 +176,21 @@ class PythonWorkerExchange(WorkerExchange):
 
     def _run_torch(self, layer, payload, counts, epochs, w13, w2, pool_rows, pool_counts, started):
         """engine/experts.py::run_rows over the rows, their slots mapped to pool rows per router's epoch."""
+        rows, weights, row_pool = self._rows_on_pool(payload, counts, epochs, pool_rows)
+        partial, assignments = run_rows(rows, row_pool, weights, w13, w2, pool_counts, self.executor)
+        return self._send_sums(layer, counts, payload.shape[0], partial, assignments, time.perf_counter() - started)
+
+    def _run_assignments(self, layer, payload, counts, back, epochs, w13, w2, pool_rows, pool_counts, started):
+        """engine/experts.py::run_assignments: each router gets its assignments' outputs (``back``)."""
+        rows, _, row_pool = self._rows_on_pool(payload, counts, epochs, pool_rows)
+        outputs = run_assignments(rows, row_pool, w13, w2, pool_counts, self.executor)
+        assignments = sum(back)
+        result = self._send_sums(layer, back, assignments, outputs, assignments, time.perf_counter() - started)
+        return replace(result, rows=payload.shape[0])
+
+    def _rows_on_pool(self, payload, counts, epochs, pool_rows):
+        """The payload's rows ``[N, D]``, gate weights ``[N, k]`` and the pool row at each position
+        (``[N, k]``, -1 where none), each router's slots mapped by its epoch."""
         rows, slots, weights = self.format.unpack(payload)  # [N, D], [N, k], [N, k]
         pools, start = [], 0
         for count, epoch in zip(counts, epochs):
@@ -180,14 +201,13 @@ class PythonWorkerExchange(WorkerExchange):
                 else:
                     pools.append(torch.where(segment >= 0, pool_rows[epoch][1][segment.clamp(min=0)], -1))
             start += count
-        row_pool = pools[0] if len(pools) == 1 else torch.cat(pools)
-        partial, assignments = run_rows(rows, row_pool, weights, w13, w2, pool_counts, self.executor)
-        return self._send_sums(layer, counts, payload.shape[0], partial, assignments, time.perf_counter() - started)
+        return rows, weights, pools[0] if len(pools) == 1 else torch.cat(pools)
 
     def _send_sums(self, layer: int, counts: list[int], total: int, partial: torch.Tensor, assignments: int,
                    compute_s: float, message: torch.Tensor | None = None) -> WorkerLayerResult:
-        """Each router's rows of ``partial``, then the trailer (expert seconds, tag checksum).
-        ``message``: one router's buffer whose first bytes already hold ``partial``."""
+        """Each router's rows of ``partial`` (``counts[r]`` of them, ``total`` in all), then the trailer
+        (expert seconds, tag checksum). ``message``: one router's buffer whose first bytes already
+        hold ``partial``."""
         _, _, combine_tag, combine_checksum = layer_tags(layer)
         trailer = TRAILER.pack(compute_s, combine_checksum)
         sends = []

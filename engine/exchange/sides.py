@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raymoe.engine.experts import combine_partials
+from raymoe.engine.experts import combine_assignments, combine_partials
 from raymoe.engine.telemetry import LayerTraffic
 from raymoe.kernels.comm.base import Communicator
 from raymoe.kernels.comm.errors import CollectiveMismatch, CommError
@@ -94,15 +94,16 @@ class RouterExchange(ABC):
             if packed is None:
                 packed = self.format.pack(hidden.index_select(0, plan.row_token), plan.row_slots,
                                           plan.row_weights)  # [N, row_bytes]
-        # One receive buffer for every worker's sums and trailer, in worker order.
+        # One receive buffer for every worker's sums (or assignments' outputs) and trailer, in worker order.
+        back = self.rows_back(counts, slot_counts)
         row_bytes = self.combine_row_bytes
-        total = sum(counts[worker] for worker in self._rank_of_worker)
+        total = sum(back[worker] for worker in self._rank_of_worker)
         received = torch.empty(total * row_bytes + len(self._rank_of_worker) * TRAILER_BYTES, dtype=torch.uint8,
                                device=self.device)
         sums = []
         offset = 0
         for worker, rank in self._rank_of_worker.items():
-            count = counts[worker]
+            count = back[worker]
             if count:
                 sums.append(received[offset:offset + count * row_bytes])
             size = count * row_bytes + TRAILER_BYTES
@@ -115,18 +116,40 @@ class RouterExchange(ABC):
         if plan is not None:
             if sums:
                 partial = (sums[0] if len(sums) == 1 else torch.cat(sums)).view(self.dtype).view(total, -1)
-                out = combine_partials(plan.num_tokens, plan.row_token, partial,
-                                       min(self.top_k, len(self._rank_of_worker)))
+                if self.format.per_assignment:
+                    out = self._combine_assignments(plan, partial)
+                else:
+                    out = combine_partials(plan.num_tokens, plan.row_token, partial,
+                                           min(self.top_k, len(self._rank_of_worker)))
             else:
                 out = hidden.new_zeros(plan.num_tokens, self.hidden_size)
         traffic = LayerTraffic(
             rows_per_worker=list(counts),
-            bytes_sent=self._headers_bytes + total * self.format.row_bytes,
+            bytes_sent=self._headers_bytes + sum(counts[w] for w in self._rank_of_worker) * self.format.row_bytes,
             bytes_received=received.numel(),
             dispatch_s=packed_at - started,
             exchange_s=exchanged_at - packed_at,
         )
         return out, traffic
+
+    def rows_back(self, counts: list[int], slot_counts: list[int]) -> list[int]:
+        """Rows each worker sends back: one per dispatched row (``counts``), or one per assignment,
+        its slots' counts (:attr:`RowFormat.per_assignment`)."""
+        if not self.format.per_assignment:
+            return counts
+        S = self.slots_per_worker
+        return [sum(slot_counts[worker * S:(worker + 1) * S]) for worker in range(len(counts))]
+
+    def _combine_assignments(self, plan: ExchangePlan, outputs: torch.Tensor) -> torch.Tensor:
+        """``[T, D]`` from the workers' ``outputs: [A, D]``, each assignment's, in the order the
+        plan's rows list them (worker-major, then row, then position)."""
+        k = self.top_k
+        assigned = (plan.row_slots >= 0).reshape(-1)  # [N * k]
+        # the assigned (row, position) indices in order, without a host sync: A is known
+        index = torch.argsort(assigned.logical_not().to(torch.uint8), stable=True)[:outputs.shape[0]]
+        flat = plan.row_token.index_select(0, torch.div(index, k, rounding_mode="floor")) * k + index % k
+        weights = plan.row_weights.reshape(-1).index_select(0, index)
+        return combine_assignments(plan.num_tokens, k, flat, outputs, weights)
 
     @abstractmethod
     def _transfer_layer(self, layer: int, epoch: int, counts: list[int], slot_counts: list[int],

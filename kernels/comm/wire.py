@@ -83,7 +83,9 @@ def row_bytes(hidden_size: int, top_k: int, activation_bytes: int = 4) -> int:
 @dataclass(frozen=True)
 class RowFormat:
     """One dispatched row on the wire: D activations, then k int32 slots, then k float32 weights
-    (``[N, row_bytes]`` uint8 for N rows). A combined row is D activations."""
+    (``[N, row_bytes]`` uint8 for N rows). A combined row is D activations: in float32 one per
+    dispatched row (its positions' weighted sum), in every other dtype one per assignment
+    (:attr:`per_assignment`)."""
 
     hidden_size: int
     top_k: int
@@ -96,6 +98,16 @@ class RowFormat:
     @property
     def row_bytes(self) -> int:
         return row_bytes(self.hidden_size, self.top_k, self.dtype.itemsize)
+
+    @property
+    def per_assignment(self) -> bool:
+        """Whether a worker sends back each assignment's expert output, unweighted, in (row, position)
+        order, for the router to combine in position order in float32 (engine/experts.py::
+        combine_assignments, as the in-process engine does): in bfloat16 or float16, a worker's own
+        sums would be rounded before the router adds them, and where the experts ran would change
+        the bits. In float32 a worker sends its rows' weighted sums (a row per dispatched row:
+        fewer bytes)."""
+        return self.dtype != torch.float32
 
     def pack(self, rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``[N, D]`` activations, ``[N, k]`` int32 slots, ``[N, k]`` float32 weights -> ``[N, row_bytes]``."""

@@ -4,6 +4,8 @@
  * 1. raymoe_bf16_linear: y = x W^T (+ bias), a dense layer; y in bfloat16 or float32 (the LM head).
  * 2. raymoe_bf16_swiglu_experts: y[r] = W2_e (silu(Wg_e x[r]) * (Wu_e x[r])) for every row r of every
  *    job (e, begin, end): a layer's experts in one call.
+ * 3. raymoe_bf16_decode_attention: raymoe_decode_attention (cpu_f32.c) over bfloat16 q and caches.
+ * Each on AMX (raymoe_amx_*) where the CPU has it.
  *
  * Weights are read where they lie, in the checkpoint's [out, in] layout: nothing is packed, so no
  * copy of any weight is made (a bfloat16 deployment holds each weight once). Each output element
@@ -19,13 +21,15 @@
  */
 #include <cpuid.h>
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include "raymoe_constants.h" /* CHUNK_ROWS: rows per pass over an expert's weights */
-#include "simd_math.h"        /* swiglu_ps */
+#include "simd_math.h"        /* exp_ps, swiglu_ps */
 
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define ROWS 4 /* input rows per register block */
@@ -66,6 +70,13 @@ BF16_TARGET static inline __m256i f32_to_bf16_ps(__m512 value) { /* 16 lanes of 
     rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
     return _mm512_cvtepi32_epi16(rounded);
 }
+
+#define ATT_NAME raymoe_bf16_decode_attention
+#define ATT_T uint16_t
+#define ATT_LOAD(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define ATT_STORE(p, v) _mm256_storeu_si256((__m256i *)(p), f32_to_bf16_ps(v))
+#define ATT_TARGET BF16_TARGET
+#include "decode_attention.inc" /* 3. raymoe_bf16_decode_attention: raymoe_decode_attention's twin */
 
 /* s[m * COLS + n] = x[m] . w[n] over k < K, for m < MB rows of x (stride ldx) and n < NB rows of w
  * (stride ldw), the next rows of w (COLS rows on) prefetched meanwhile. */

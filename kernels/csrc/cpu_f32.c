@@ -148,67 +148,12 @@ __attribute__((target("avx512f"))) int raymoe_linear(
     return 0;
 }
 
-/* Decode attention over a paged cache, GQA, float32: one query per sequence.
- * q: rows of [T, H, Dk] picked by rows[b]; k_cache [S, Hkv, Dk], v_cache [S, Hkv, Dv] (S = N * bs);
- * slots [B, kmax]: cache slot of key j of sequence b (the first counts[b] are visible);
- * out: rows[b] of [T, H, Dv]. Per (sequence, query head): scores in key order, max, exp, their
- * sum in a fixed order, values accumulated in key order: nothing depends on the other sequences. */
-__attribute__((target("avx512f"))) int raymoe_decode_attention(
-    const float *q, const float *k_cache, const float *v_cache, const int64_t *rows, const int64_t *slots,
-    const int64_t *counts, float *out, int64_t B, int64_t H, int64_t Hkv, int64_t Dk, int64_t Dv,
-    int64_t kmax, float scale) {
-    if (Dk % 16 || Dv % 16 || H % Hkv || kmax <= 0) return -1;
-    const int64_t group = H / Hkv;
-    const int64_t padded = (kmax + 15) / 16 * 16;
-    float *scores = malloc(sizeof(float) * (size_t)(group * padded + group * Dv));
-    if (!scores) return -2;
-    float *acc = scores + group * padded;
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t n = counts[b];
-        const int64_t *seq_slots = slots + b * kmax;
-        for (int64_t g = 0; g < Hkv; g++) {
-            const float *qg = q + (rows[b] * H + g * group) * Dk;
-            for (int64_t j = 0; j < n; j++) {
-                const float *key = k_cache + (seq_slots[j] * Hkv + g) * Dk;
-                for (int64_t i = 0; i < group; i++) {
-                    __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg + i * Dk), _mm512_loadu_ps(key));
-                    for (int64_t d = 16; d < Dk; d += 16)
-                        dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i * Dk + d), _mm512_loadu_ps(key + d), dot);
-                    scores[i * padded + j] = _mm512_reduce_add_ps(dot) * scale;
-                }
-            }
-            for (int64_t i = 0; i < group; i++) {
-                float *s = scores + i * padded;
-                __m512 top = _mm512_set1_ps(-INFINITY);
-                for (int64_t j = 0; j < n; j += 16) {
-                    __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-                    top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, s + j));
-                }
-                __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top)), total = _mm512_setzero_ps();
-                for (int64_t j = 0; j < n; j += 16) {
-                    __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-                    __m512 p = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), peak));
-                    p = _mm512_maskz_mov_ps(live, p);
-                    _mm512_mask_storeu_ps(s + j, live, p);
-                    total = _mm512_add_ps(total, p);
-                }
-                float *a = acc + i * Dv;
-                for (int64_t d = 0; d < Dv; d += 16) _mm512_storeu_ps(a + d, _mm512_setzero_ps());
-                for (int64_t j = 0; j < n; j++) {
-                    const float *value = v_cache + (seq_slots[j] * Hkv + g) * Dv;
-                    __m512 p = _mm512_set1_ps(s[j]);
-                    for (int64_t d = 0; d < Dv; d += 16)
-                        _mm512_storeu_ps(a + d, _mm512_fmadd_ps(p, _mm512_loadu_ps(value + d), _mm512_loadu_ps(a + d)));
-                }
-                __m512 norm = _mm512_set1_ps(_mm512_reduce_add_ps(total));
-                float *o = out + (rows[b] * H + g * group + i) * Dv;
-                for (int64_t d = 0; d < Dv; d += 16) _mm512_storeu_ps(o + d, _mm512_div_ps(_mm512_loadu_ps(a + d), norm));
-            }
-        }
-    }
-    free(scores);
-    return 0;
-}
+#define ATT_NAME raymoe_decode_attention
+#define ATT_T float
+#define ATT_LOAD(p) _mm512_loadu_ps(p)
+#define ATT_STORE(p, v) _mm512_storeu_ps(p, v)
+#define ATT_TARGET __attribute__((target("avx512f")))
+#include "decode_attention.inc"
 
 /* RMSNorm, D % 16 == 0: for each of M rows, s = x (+ delta when given, stored to sum), then
  * h = s * (1 / sqrt(mean(s^2) + eps)) * w. The sum of squares runs in 16 lanes over d in order,

@@ -14,6 +14,7 @@ from ep_helpers import GREEDY, cluster_config, prompts, reference_engine
 from raymoe.cluster.deploy import deploy
 from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.engine.host_memory import jemalloc_path
+from raymoe.kernels import native_bf16
 from raymoe.kernels.expert_mlp import kernel_name
 from raymoe.engine.hf_config import load_model_config
 from timing import deadline_margin_s
@@ -106,47 +107,41 @@ def test_outputs_equal_the_in_process_engine(case, ray_session, reference, tiny_
         deployment.shutdown()
 
 
-# bfloat16 through the exchange against the in-process engine in bfloat16. Not bitwise equal:
-# each worker rounds its rows' sums to bfloat16 before the router adds them (in process, a
-# token's k expert outputs are added before one rounding), so a logit may move by a bfloat16
-# step (0.0156 near 2-4) and, rarely, a near-tied expert choice flips. Measured on this
-# machine (mixtral, qwen3_moe, deepseek_v3; 1x2, and 2x3 with replicas; 6 prompts): the
-# median over positions of the largest logit difference is 0.012-0.016, at most 3% of
-# positions exceed 0.1 (a flipped expert choice: up to 0.47); greedy outputs are equal for 3-6
-# of 6 prompts, and at every first divergence the in-process logits of the two tokens were
-# equal (a bfloat16 tie). Bounds: about 3x the measured median and share; a tie within 2 steps.
-BF16_MEDIAN = 0.05
-BF16_STRAY_SHARE = 0.1  # share of positions whose largest difference is above 0.1
-BF16_TIE = 0.04
+# bfloat16 through the exchange against the in-process engine in bfloat16: bit for bit. The
+# experts' kernels are row-invariant, the workers send each assignment's output back unrounded by
+# any sum of theirs (kernels/comm/wire.py::RowFormat.per_assignment), and every router combines
+# them in position order in float32 exactly as the in-process engine does
+# (engine/experts.py::combine_assignments): so no placement, replica or router count can move a
+# bit, with top-2 (mixtral) or top-3 (qwen3_moe, where the association of three sums would).
+BF16_CASES = {
+    "mixtral": ({}, "round_robin-3w-2r-redundant"),
+    "qwen3_moe": ({"moe_intermediate_size": 64}, "explicit-4w-2r-redundant"),
+}
 
 
-@pytest.fixture(scope="module")
-def reference_bf16(tiny_mixtral_dir):
-    engine = LLMEngine.from_pretrained(tiny_mixtral_dir, EngineConfig(dtype="bfloat16"))
+@pytest.mark.parametrize("arch", sorted(BF16_CASES))
+def test_bfloat16_outputs_equal_the_in_process_engine_bit_for_bit(arch, ray_session, tmp_path_factory):
+    from tiny_models import build_reference_model, write_checkpoint
+
+    overrides, case = BF16_CASES[arch]
+    model_dir = write_checkpoint(build_reference_model(arch, **overrides), str(tmp_path_factory.mktemp(f"bf16-{arch}")),
+                                 dtype=torch.bfloat16)
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(dtype="bfloat16"))
     batch = prompts(6)
-    return engine, batch, [o.output_token_ids for o in engine.generate(batch, GREEDY)], engine.score(batch)
-
-
-def test_bfloat16_outputs_track_the_in_process_engine(ray_session, reference_bf16, tiny_mixtral_dir):
-    engine, batch, tokens, logits = reference_bf16
-    config = cluster_config(tiny_mixtral_dir, dtype="bfloat16", **CASES["round_robin-3w-2r-redundant"])
-    deployment = deploy(config, name="ep-bf16")
+    tokens = [o.output_token_ids for o in engine.generate(batch, GREEDY)]
+    logits = engine.score(batch)
+    fields = dict(CASES[case])
+    if arch != "mixtral":  # the explicit placement names mixtral's 8 experts; qwen3_moe's 8 alike
+        fields["placement"] = dict(fields["placement"])
+    config = cluster_config(model_dir, dtype="bfloat16", **fields)
+    deployment = deploy(config, name=f"ep-bf16-{arch}")
     try:
+        infos = ray.get([worker.info.remote() for worker in deployment.workers])
+        assert {i["expert_kernel"] for i in infos} == {native_bf16.KERNEL}  # the row-invariant kernels ran
         for router in range(len(deployment.routers)):
-            ours = deployment.score(batch, router=router)
-            diffs = torch.cat([(a - b).abs().amax(dim=-1) for a, b in zip(ours, logits)])  # per position
-            assert diffs.median().item() <= BF16_MEDIAN, diffs.median().item()
-            assert (diffs > 0.1).float().mean().item() <= BF16_STRAY_SHARE, diffs
-        outputs = [o.output_token_ids for o in deployment.generate(batch, GREEDY)]
-        for prompt, ours, want in zip(batch, outputs, tokens):
-            if ours == want:
-                continue
-            # Greedy decoding may part only where two tokens tie within bfloat16's resolution:
-            # at the first differing position, the in-process logits of both choices are close.
-            at = next(i for i, (a, b) in enumerate(zip(ours, want)) if a != b)
-            step = engine.score([prompt + want[:at]])[0][-1]
-            assert (step[want[at]] - step[ours[at]]).item() <= BF16_TIE, (prompt, at, ours, want)
-        assert sum(ours == want for ours, want in zip(outputs, tokens)) >= len(batch) // 2
+            for ours, want in zip(deployment.score(batch, router=router), logits):
+                assert torch.equal(ours, want), (router, (ours - want).abs().max().item())
+        assert [o.output_token_ids for o in deployment.generate(batch, GREEDY)] == tokens
     finally:
         deployment.shutdown()
 

@@ -142,3 +142,30 @@ def test_shapes_it_does_not_take_and_the_switch_go_to_torch():
     native_library.set_enabled(False)
     assert not native_bf16.linear_applies(x, w, None)
     assert torch.equal(packed_linear.linear(x, w), F.linear(x, w))
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
+def test_decode_attention_matches_float64_and_a_sequence_keeps_its_bits_in_any_batch(heads, kv_heads):
+    from raymoe.kernels.attention import AttentionMetadata, AttentionSpec, SdpaAttention
+    from raymoe.moe.model_config import AttentionKind
+
+    block_size, head_dim = 16, 32
+    spec = AttentionSpec(AttentionKind.GQA, heads, kv_heads, head_dim, head_dim, head_dim ** -0.5, None)
+    caches = (_bf16(8, block_size, kv_heads, head_dim, seed=1), _bf16(8, block_size, kv_heads, head_dim, seed=2))
+    q = _bf16(3, heads, head_dim, seed=3)
+    backend = SdpaAttention(spec, torch.bfloat16, torch.device("cpu"))
+    assert backend.single_decodes
+    tables = [[3, 1, 6], [2, 5], [7]]
+    lengths = [37, 20, 9]
+    batch = backend.plan(AttentionMetadata.build([1, 1, 1], lengths, tables, block_size), block_size).attend(q, caches)
+    assert batch.dtype == torch.bfloat16
+    for index, (table, length) in enumerate(zip(tables, lengths)):
+        alone = backend.plan(AttentionMetadata.build([1], [length], [table], block_size), block_size)
+        assert torch.equal(alone.attend(q[index:index + 1], caches)[0], batch[index])  # the same bits alone
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(length)])
+        keys = caches[0].flatten(0, 1)[slots].double().repeat_interleave(heads // kv_heads, dim=1)  # [Tk, H, d]
+        values = caches[1].flatten(0, 1)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[index].double(), keys) * spec.scale
+        expected = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), values)
+        torch.testing.assert_close(batch[index].double(), expected, rtol=1.6e-2, atol=1e-2)

@@ -280,7 +280,10 @@ def test_a_lone_decode_takes_the_native_kernel_with_the_bits_it_has_in_a_batch(s
     out_alone, out_pair = alone.attend(q[:1], caches), pair.attend(q, caches)
     torch.testing.assert_close(out_alone[0], out_pair[0], rtol=1e-5, atol=1e-6)
     assert torch.equal(out_alone[0], out_pair[0]) == single_decodes  # SDPA alone: other bits
-    assert not SdpaAttention(spec, torch.bfloat16, torch.device("cpu")).single_decodes
+    # bfloat16 takes its own native kernel where AVX512_BF16 runs (tests/kernels/test_native_bf16.py)
+    assert SdpaAttention(spec, torch.bfloat16, torch.device("cpu")).single_decodes == \
+        (native_library.bf16_unavailable_reason() is None)
+    assert not SdpaAttention(spec, torch.float16, torch.device("cpu")).single_decodes
     assert not SdpaAttention(spec).single_decodes  # no dtype or device given: SDPA as before
 
 
