@@ -31,6 +31,18 @@ re-measured against the last vLLM run.
     python benchmarks/bench_vs_vllm.py --raymoe-only 1x1     # raymoe 1x1 vs the last vLLM run
     python benchmarks/bench_vs_vllm.py --rounds 3            # every server 3 times, in turn
 
+``--model`` picks a real model's per-layer shapes in bfloat16 instead (benchmarks/common.py's
+REAL_SHAPES, built once into ``~/.cache/raymoe/real-NAME``, never committed; issue 29):
+``qwen3-30b-a3b-4l`` or ``mixtral-8x7b-2l``. Then the defaults follow that issue: vLLM with
+``--dtype bfloat16`` and ``VLLM_CPU_KVCACHE_SPACE=2``, raymoe 1 router x 2 workers, 128 prompt
+tokens and 32 output tokens, C = 1 and 16, 16 prompts per run, and its ratios (tok/s at C=16 >= 1.2,
+TPOT P50 at C=1 <= 1.0, TTFT P50 at C=16 <= 1.0, peak resident memory <= 1.0 of vLLM's). Every
+server's peak memory is sampled twice a second over its whole process tree (Ray's daemons and
+actors, vLLM's engine core): the sum of resident sizes (RSS, what the issue compares; shared file
+pages count once per process) and of proportional sizes (PSS, shared pages split).
+
+    python benchmarks/bench_vs_vllm.py --model qwen3-30b-a3b-4l
+
 With ``--rounds N`` the servers take turns N times and every ratio is taken within a round,
 then its median over the rounds is reported with the per-round values: on a shared machine
 whose speed drifts (this one's did by 1.5x within minutes) that compares like with like.
@@ -49,13 +61,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from typing import Any, Iterator
 
+from raymoe.cluster import procfs
 from raymoe.cluster.serve_process import ServeProcess, serve_argv
 from raymoe.kernels.comm.ports import free_port
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import REAL_SHAPES  # noqa: E402  (benchmarks/common.py, beside this file)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_vs_vllm.json")
@@ -78,6 +95,16 @@ RATIOS = [
     # figure that bursts cannot drive towards 0.
     ("raymoe 1x1 / vLLM TPOT P50 at C=1", ("raymoe 1x1", 1, "tpot_p50_ms"), (VLLM, 1, "tpot_p50_ms"), None, None),
 ]
+# The real shapes' targets (issue 29), raymoe 1 router x 2 workers against vLLM.
+REAL = "raymoe 1x2"
+REAL_RATIOS = [
+    (f"{REAL} / vLLM output tok/s at C=16", (REAL, 16, "output_tok_s"), (VLLM, 16, "output_tok_s"), ">=", 1.2),
+    (f"{REAL} / vLLM TPOT P50 at C=1", (REAL, 1, "tpot_p50_ms"), (VLLM, 1, "tpot_p50_ms"), "<=", 1.0),
+    (f"{REAL} / vLLM TTFT P50 at C=16", (REAL, 16, "ttft_p50_ms"), (VLLM, 16, "ttft_p50_ms"), "<=", 1.0),
+    (f"{REAL} / vLLM peak RSS", (REAL, 1, "peak_rss_gb"), (VLLM, 1, "peak_rss_gb"), "<=", 1.0),
+    (f"{REAL} / vLLM peak PSS", (REAL, 1, "peak_pss_gb"), (VLLM, 1, "peak_pss_gb"), None, None),
+    (f"{REAL} / vLLM ITL P50 at C=16", (REAL, 16, "itl_p50_ms"), (VLLM, 16, "itl_p50_ms"), None, None),
+]
 # An ITL P50 below this means tokens arrived in bursts (several per network read), not one per step.
 BURST_ITL_MS = 0.1
 
@@ -88,19 +115,24 @@ def log(message: str) -> None:
 
 # --- the checkpoint -----------------------------------------------------------------------
 
-def ensure_checkpoint(path: str) -> str:
-    """The random Mixtral at ``path``, written with benchmarks/common.py's writer if missing."""
+def ensure_checkpoint(path: str, model: str = "toy") -> str:
+    """The random checkpoint at ``path``, written with benchmarks/common.py's writers if missing:
+    the toy Mixtral, or a real model's shapes in bfloat16 (``model`` a REAL_SHAPES name)."""
     path = os.path.abspath(os.path.expanduser(path))
     if os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "tokenizer.json")):
         log(f"reusing the checkpoint at {path}")
         return path
-    log(f"writing a random Mixtral (hidden 256, 4 layers, 8 experts, top-2, float32) to {path}")
     sys.path.insert(0, HERE)
-    from common import build_mixtral
+    from common import build_mixtral, build_real_shape
 
     tmp = path + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
-    build_mixtral(tmp)
+    if model == "toy":
+        log(f"writing a random Mixtral (hidden 256, 4 layers, 8 experts, top-2, float32) to {path}")
+        build_mixtral(tmp)
+    else:
+        log(f"writing a random {model} in bfloat16 to {path} (a minute or two)")
+        build_real_shape(tmp, model)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
     return path
@@ -177,6 +209,31 @@ class Server(ServeProcess):
         self.process = None
 
 
+class PeakMemory(threading.Thread):
+    """Samples the summed RSS and PSS of a process and all its descendants every ``interval_s``;
+    keeps the peaks (bytes)."""
+
+    def __init__(self, pid: int, interval_s: float = 0.5):
+        super().__init__(daemon=True, name=f"peak-memory-{pid}")
+        self.pid, self.interval_s = pid, interval_s
+        self.peak_rss = self.peak_pss = 0
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.wait(self.interval_s):
+            rss = pss = 0
+            for pid in procfs.descendants({self.pid}, procfs.processes()):
+                with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+                    rss += procfs.memory_kib(pid, ("VmRSS",)).get("VmRSS", 0) * 1024
+                    pss += int(procfs.status(pid, "smaps_rollup")["Pss"].split()[0]) * 1024
+            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+
+    def stop(self) -> dict[str, float]:
+        self.halt.set()
+        self.join(10)
+        return {"peak_rss_gb": self.peak_rss / 1e9, "peak_pss_gb": self.peak_pss / 1e9}
+
+
 def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -194,12 +251,22 @@ def tail(path: str, lines: int = 30) -> str:
 
 
 @contextlib.contextmanager
-def running(server: Server, ready_timeout_s: float) -> Iterator[str]:
+def running(server: Server, ready_timeout_s: float, memory: dict[str, float] | None = None) -> Iterator[str]:
+    """The server, started and ready; with ``memory``, its tree's peak RSS and PSS over its whole
+    life (start-up included) are written into that dict once it stops."""
+    sampler = None
     try:
         server.start()
+        if memory is not None:
+            sampler = PeakMemory(server.process.pid)
+            sampler.start()
         yield server.wait_ready(ready_timeout_s)
     finally:
-        server.stop()
+        try:
+            server.stop()
+        finally:
+            if sampler is not None:
+                memory.update(sampler.stop())
 
 
 # --- the load: vllm bench serve ----------------------------------------------------------
@@ -256,20 +323,20 @@ def bench_serve(vllm_bin: str, url: str, model: str, checkpoint: str, concurrenc
 def run_vllm(args: argparse.Namespace, checkpoint: str, work: str) -> list[dict[str, Any]]:
     vllm_bin = os.path.join(args.vllm_venv, "bin", "vllm")
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    server = Server(VLLM, [vllm_bin, "serve", checkpoint, "--dtype", "float32", "--max-model-len", "512",
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib))
+    server = Server(VLLM, [vllm_bin, "serve", checkpoint, "--dtype", args.dtype, "--max-model-len", "512",
                            "--host", "127.0.0.1", "--port", str(port)], env, port, os.path.join(work, "vllm-serve.log"))
-    rows = []
-    with running(server, args.startup_timeout) as model:
+    rows, memory = [], {}
+    with running(server, args.startup_timeout, memory) as model:
         for concurrency in args.concurrency:
             rows.append(bench_serve(vllm_bin, server.url, model, checkpoint, concurrency, args, work, VLLM))
-    return rows
+    return [dict(row, **memory) for row in rows]
 
 
 CLUSTER_YAML = """\
 model: {model}
 device: cpu
-dtype: float32
+dtype: {dtype}
 routers: {routers}
 expert_workers: {workers}
 serve:
@@ -278,7 +345,7 @@ serve:
 """
 
 
-def raymoe_config(spec: str, checkpoint: str, work: str, port: int) -> tuple[str, str]:
+def raymoe_config(spec: str, checkpoint: str, work: str, port: int, dtype: str = "float32") -> tuple[str, str]:
     """(label, YAML path) for ``RxW`` (written here) or a cluster config path (used as it is)."""
     match = re.fullmatch(r"(\d+)x(\d+)", spec)
     if not match:
@@ -287,14 +354,14 @@ def raymoe_config(spec: str, checkpoint: str, work: str, port: int) -> tuple[str
         return f"raymoe {os.path.splitext(os.path.basename(spec))[0]}", os.path.abspath(spec)
     path = os.path.join(work, f"raymoe-{spec}.yaml")
     with open(path, "w") as handle:
-        handle.write(CLUSTER_YAML.format(model=checkpoint, routers=match[1], workers=match[2], port=port))
+        handle.write(CLUSTER_YAML.format(model=checkpoint, routers=match[1], workers=match[2], port=port, dtype=dtype))
     return f"raymoe {spec}", path
 
 
 def run_raymoe(spec: str, args: argparse.Namespace, checkpoint: str, work: str) -> list[dict[str, Any]]:
     vllm_bin = os.path.join(args.vllm_venv, "bin", "vllm")
     port = free_port()
-    label, config = raymoe_config(spec, checkpoint, work, port)
+    label, config = raymoe_config(spec, checkpoint, work, port, args.dtype)
     # A local Ray of its own, stopped with the server: no RAY_ADDRESS, and a Ray temp dir of
     # its own, or ray.init() joins whatever cluster `ray start` last recorded in
     # /tmp/ray/ray_current_cluster on this machine (short path: Ray's socket paths must fit 107 bytes).
@@ -303,14 +370,14 @@ def run_raymoe(spec: str, args: argparse.Namespace, checkpoint: str, work: str) 
     env.pop("RAY_ADDRESS", None)
     argv = serve_argv(config, port, host="127.0.0.1", python=args.raymoe_python)
     server = Server(label, argv, env, port, os.path.join(work, f"{label.replace(' ', '-')}-serve.log"))
-    rows = []
+    rows, memory = [], {}
     try:
-        with running(server, args.startup_timeout) as model:
+        with running(server, args.startup_timeout, memory) as model:
             for concurrency in args.concurrency:
                 rows.append(bench_serve(vllm_bin, server.url, model, checkpoint, concurrency, args, work, label))
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    return rows
+    return [dict(row, **memory) for row in rows]
 
 
 # --- report -------------------------------------------------------------------------------
@@ -326,12 +393,12 @@ def find(rows: list[dict[str, Any]], server: str, concurrency: int, metric: str,
     return statistics.median(values) if values else None
 
 
-def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each target ratio per round (both sides measured in the same round, minutes apart, so a
+def ratios(rows: list[dict[str, Any]], table: list | None = None) -> list[dict[str, Any]]:
+    """Each target ratio (of ``table``, default :data:`RATIOS`) per round (both sides measured in the same round, minutes apart, so a
     machine whose speed drifts weighs on both alike), then the median over the rounds."""
     rounds = sorted({row["round"] for row in rows if row.get("round") is not None}) or [None]
     out = []
-    for name, num, den, op, target in RATIOS:
+    for name, num, den, op, target in table or RATIOS:
         per_round, bursts = [], False
         for round_ in rounds:
             a, b = find(rows, *num, round_), find(rows, *den, round_)
@@ -351,14 +418,15 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def print_table(rows: list[dict[str, Any]], ratio_rows: list[dict[str, Any]]) -> None:
     print(f"{'server':<14} {'round':>5} {'C':>3} {'done':>5} {'output tok/s':>13} {'ITL P50 ms':>11} {'TTFT P50 ms':>12}"
-          f" {'ITL P99 ms':>11} {'TTFT P99 ms':>12} {'E2EL P50 ms':>12}")
+          f" {'ITL P99 ms':>11} {'TTFT P99 ms':>12} {'E2EL P50 ms':>12} {'TPOT P50 ms':>12} {'peak RSS GB':>12}")
     for row in rows:
         note = "  (reused)" if row.get("reused") else ""
         if row.get("failed"):
             note += f"  ({row['failed']} failed: left out of the ratios)"
         print(f"{row['server']:<14} {row.get('round', '-'):>5} {row['concurrency']:>3} {row['completed']:>5} {row['output_tok_s']:>13.1f} "
               f"{row['itl_p50_ms']:>11.2f} {row['ttft_p50_ms']:>12.1f} {row['itl_p99_ms']:>11.1f} "
-              f"{row['ttft_p99_ms']:>12.1f} {row.get('e2el_p50_ms') or float('nan'):>12.1f}{note}")
+              f"{row['ttft_p99_ms']:>12.1f} {row.get('e2el_p50_ms') or float('nan'):>12.1f} "
+              f"{row.get('tpot_p50_ms') or float('nan'):>12.1f} {row.get('peak_rss_gb') or float('nan'):>12.2f}{note}")
     print()
     for ratio in ratio_rows:
         value = "n/a (not measured)" if ratio["value"] is None else f"{ratio['value']:.2f}"
@@ -372,7 +440,8 @@ def print_table(rows: list[dict[str, Any]], ratio_rows: list[dict[str, Any]]) ->
             print(f"    note: {ratio['note']}")
 
 
-def write_plot(rows: list[dict[str, Any]], path: str) -> None:
+def write_plot(rows: list[dict[str, Any]], path: str,
+               title: str = "raymoe serve vs vllm serve (CPU), vllm bench serve, random 32 in / 64 out") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -394,7 +463,7 @@ def write_plot(rows: list[dict[str, Any]], path: str) -> None:
         axes.set_title(title)
         axes.grid(axis="y", alpha=0.3)
         axes.legend(fontsize=8)
-    figure.suptitle("raymoe serve vs vllm serve (CPU), vllm bench serve, random 32 in / 64 out")
+    figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=90)
     plt.close(figure)
@@ -437,10 +506,13 @@ def _interrupt(*_: Any) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-prompts", type=int, default=96, help="requests per run (default 96)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32], help="max concurrency values")
-    parser.add_argument("--configs", nargs="+", default=["1x1", "2x4"],
-                        help="raymoe configs: RxW (routers x expert workers) or cluster config YAML paths")
+    parser.add_argument("--model", default="toy", choices=["toy", *REAL_SHAPES],
+                        help="the toy float32 Mixtral (default), or a real model's shapes in bfloat16")
+    parser.add_argument("--num-prompts", type=int, help="requests per run (default 96; real shapes 16)")
+    parser.add_argument("--concurrency", type=int, nargs="+", help="max concurrency values (default 1 32; real 1 16)")
+    parser.add_argument("--configs", nargs="+",
+                        help="raymoe configs: RxW (routers x expert workers) or cluster config YAML paths "
+                             "(default 1x1 2x4; real shapes 1x2)")
     parser.add_argument("--skip-vllm", action="store_true",
                         help="do not run vLLM (its rows are reused from an existing --out file, if any)")
     parser.add_argument("--raymoe-only", metavar="CONFIG",
@@ -448,20 +520,32 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1200.0, help="limit of one vllm bench serve run, s")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="limit of one server start, s")
     parser.add_argument("--vllm-venv", default="/work/vllm-venv", help="virtualenv with vLLM's CPU build")
-    parser.add_argument("--checkpoint", default=DEFAULT_CKPT, help="checkpoint directory (written if missing)")
-    parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--checkpoint", help="checkpoint directory (written if missing; default by --model)")
+    parser.add_argument("--input-len", type=int, help="prompt tokens (default 32; real shapes 128)")
+    parser.add_argument("--output-len", type=int, help="output tokens (default 64; real shapes 32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sent in every request (vllm bench serve sends none by default; 0 = greedy on both)")
     parser.add_argument("--raymoe-python", default=sys.executable,
                         help="interpreter that runs `raymoe serve` (e.g. a virtualenv with another raymoe checkout)")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="results JSON; the chart goes beside it (.png)")
+    parser.add_argument("--out", help="results JSON, the chart beside it (.png); default "
+                                      "benchmarks/results/bench_vs_vllm.json, or bench_vs_vllm_MODEL.json")
     parser.add_argument("--keep-logs", action="store_true", help="keep the servers' and clients' logs")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every server this many times, in turn; ratios are taken within a round and "
                              "their median reported (this machine's speed drifts by tens of percent)")
     args = parser.parse_args()
+    real = args.model != "toy"
+    defaults = dict(num_prompts=16, concurrency=[1, 16], configs=["1x2"], input_len=128, output_len=32) if real else \
+        dict(num_prompts=96, concurrency=[1, 32], configs=["1x1", "2x4"], input_len=32, output_len=64)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.dtype, args.kv_cache_gib = ("bfloat16", 2) if real else ("float32", 1)
+    args.checkpoint = args.checkpoint or (os.path.join(os.path.dirname(DEFAULT_CKPT), f"real-{args.model}") if real
+                                          else DEFAULT_CKPT)
+    args.out = args.out or (os.path.join(HERE, "results", f"bench_vs_vllm_{args.model}.json") if real else DEFAULT_OUT)
+    ratio_table = REAL_RATIOS if real else RATIOS
     # SIGTERM unwinds like Ctrl-C, so that the finally blocks stop every server started here.
     signal.signal(signal.SIGTERM, _interrupt)
     if args.raymoe_only:
@@ -473,7 +557,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     started = time.monotonic()
     load_before = os.getloadavg()
-    checkpoint = ensure_checkpoint(args.checkpoint)
+    checkpoint = ensure_checkpoint(args.checkpoint, args.model)
     work = tempfile.mkdtemp(prefix="bench_vs_vllm-")
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
@@ -496,7 +580,7 @@ def main() -> None:
         rows = previous_vllm_rows(args.out) + rows
     if not rows:
         raise SystemExit("no results: " + "; ".join(errors))
-    ratio_rows = ratios(rows)
+    ratio_rows = ratios(rows, ratio_table)
     print(f"machine: {machine_description()}; {args.num_prompts} prompts per run, "
           f"{args.input_len} in / {args.output_len} out, wall {time.monotonic() - started:.0f} s, "
           f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after")
@@ -506,13 +590,16 @@ def main() -> None:
         "wall_s": time.monotonic() - started, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
         "checkpoint": checkpoint_summary(checkpoint),
         "vllm_version": tool_version([vllm_bin, "--version"]),
+        "model": args.model, "dtype": args.dtype,
         "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                      "concurrency": args.concurrency, "rounds": args.rounds, "seed": args.seed, "temperature": args.temperature, "client": "vllm bench serve --backend openai"},
         "configs": args.configs, "raymoe_python": args.raymoe_python, "rows": rows, "ratios": ratio_rows, "errors": errors,
     }
     with open(args.out, "w") as handle:
         json.dump(result, handle, indent=2)
-    write_plot(rows, os.path.splitext(args.out)[0] + ".png")
+    write_plot(rows, os.path.splitext(args.out)[0] + ".png",
+               f"raymoe serve vs vllm serve (CPU), {args.model} {args.dtype}, vllm bench serve, "
+               f"random {args.input_len} in / {args.output_len} out")
     log(f"wrote {args.out} and {os.path.splitext(args.out)[0]}.png")
     if errors:
         raise SystemExit(1)

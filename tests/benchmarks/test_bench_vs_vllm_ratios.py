@@ -41,3 +41,24 @@ def test_with_every_round_failed_the_ratio_is_not_measured(bench):
     rows = [row(bench.VLLM, 0, 32, 500.0, failed=1), row("raymoe 1x1", 0, 32, 900.0)]
     ratio = next(r for r in bench.ratios(rows) if r["name"] == "raymoe 1x1 / vLLM output tok/s at C=32")
     assert ratio["value"] is None and ratio["met"] is None and ratio["per_round"] == []
+
+
+def test_peak_memory_sums_a_process_tree(bench):
+    """The sampler sees memory a server's child holds (a server's actors and daemons are its descendants)."""
+    import subprocess
+    import sys
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c",
+                               "import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                               "'import time; x = bytearray(300 << 20); time.sleep(4)'])"])
+    sampler = bench.PeakMemory(parent.pid, interval_s=0.1)
+    sampler.start()
+    try:
+        deadline = time.monotonic() + 20
+        while sampler.peak_rss < 300 << 20 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        memory = sampler.stop()
+        parent.wait(20)
+    assert memory["peak_rss_gb"] >= 0.3 and memory["peak_pss_gb"] >= 0.3, memory
