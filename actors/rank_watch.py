@@ -4,10 +4,14 @@ and handed to recovery as a dead one.
 
 The controller (actors/recovery.py's :class:`Recovery` mixes :class:`RankWatching` in, so
 ``rank_states`` is one of the controller actor's calls) runs one thread that probes every rank
-each ``PROBE_INTERVAL_S``: a router's ``get_telemetry`` (its progress counter, the tokens it has
-generated plus the bytes its exchanges sent, and its requests in flight) and a worker's ``info`` (``steps_served``), at most one
-probe per rank in flight. Each rank's progress time is when its counter last advanced (the
-controller's clock: no clocks are compared across machines). Per rank, one of:
+each ``PROBE_INTERVAL_S``, at most one probe per rank in flight, with calls that cost the rank
+next to nothing: a router's ``expert_loads_since`` past its last step (its progress counter: the
+group steps it took, a number and an empty array) and ``num_unfinished`` (its requests in
+flight); a worker's ``ready``, and every ``PROGRESS_EVERY``-th time its ``info`` (its progress
+counter, ``steps_served``; ``info`` reads the process's memory maps, so not 4 times a second).
+(A router's ``get_telemetry`` copies its 1,000-step ring: 33 ms of its GIL, too dear to poll.)
+Each rank's progress time is when its counter last advanced (the controller's clock: no clocks
+are compared across machines). Per rank, one of:
 
 - ``serving``: it answers and its counter advanced within the deadline;
 - ``alive``: it answers and the deployment has nothing to do;
@@ -37,6 +41,8 @@ from typing import Any
 import ray
 
 PROBE_INTERVAL_S = 0.25  # how often every rank is probed (one probe per rank in flight)
+PROGRESS_EVERY = 4  # a worker's probe is its `info` (steps served) every this many probes
+NO_STEP = 2**62  # expert_loads_since(NO_STEP): no loads, only the router's step count
 WEDGE_FRACTION = 0.8  # no answer for this much of comm.timeout_s: wedged (found within the deadline)
 DEFAULT_DEADLINE_S = 30.0  # comm.timeout_s when the controller was given no groups
 GCS_TIMEOUT_S = 2.0
@@ -51,7 +57,8 @@ class RankRecord:
     def __init__(self, name: str, kind: str, actor: Any):
         self.name, self.kind, self.actor = name, kind, actor
         self.actor_id = actor._actor_id.hex()
-        self.pending: Any = None  # the probe in flight
+        self.pending: list[tuple[str, Any]] | None = None  # the probe in flight: (what, ref) pairs
+        self.probes = 0  # probes sent to this incarnation
         self.asked_at = 0.0
         self.answered_at: float | None = None  # monotonic
         self.counter: int | None = None
@@ -128,42 +135,53 @@ class RankWatch:
         now = time.monotonic()
         for record in records:
             if record.pending is None:
-                method = record.actor.get_telemetry if record.kind == "router" else record.actor.info
-                record.pending, record.asked_at = method.remote(), now
-        refs = [r.pending for r in records]
+                record.pending, record.asked_at = self._probe(record), now
+        refs = [ref for r in records for _, ref in r.pending]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.interval_s)
         ready = set(ready)
         for record in records:
-            if record.pending in ready:
+            if all(ref in ready for _, ref in record.pending):
                 self._answered(record)
         work = any(r.has_work for r in records if r.kind == "router")
         deadline = self.deadline_s()
         for record in records:
             self._judge(record, work, deadline)
 
+    @staticmethod
+    def _probe(record: RankRecord) -> list[tuple[str, Any]]:
+        record.probes += 1
+        if record.kind == "router":
+            return [("steps", record.actor.expert_loads_since.remote(NO_STEP)),
+                    ("unfinished", record.actor.num_unfinished.remote())]
+        if record.probes % PROGRESS_EVERY == 1:
+            return [("info", record.actor.info.remote())]
+        return [("ready", record.actor.ready.remote())]
+
     def _answered(self, record: RankRecord) -> None:
-        ref, record.pending = record.pending, None
+        pending, record.pending = record.pending, None
         now = time.monotonic()
         try:
-            answer = ray.get(ref, timeout=0)
+            answers = {what: ray.get(ref, timeout=0) for what, ref in pending}
         except ray.exceptions.RayError as error:
             record.state = "dead"
             record.reason = f"{type(error).__name__}: {(str(error).strip() or 'no detail').splitlines()[0]}"[:300]
             record.answered_at = None
             return
-        if record.kind == "router":
-            # tokens sampled, and bytes its exchanges sent (a long prefill or a scoring job samples none)
-            counter = int(answer.get("generated_tokens", 0)) + int(answer.get("bytes_sent", 0))
-            record.has_work = bool(answer.get("requests_running", 0) or answer.get("requests_waiting", 0))
-        else:
-            counter = int(answer.get("steps_served", 0))
-            record.pid = answer.get("pid", record.pid)
-        if record.counter is not None and counter != record.counter:  # it advanced since the last answer
-            record.progress_at, record.progress_wall = now, time.time()
+        record.answered_at = now
         if record.first_answer_at is None:
             record.first_answer_at = now
+        if "unfinished" in answers:
+            record.has_work = answers["unfinished"] > 0
+        if "steps" in answers:  # a router: the group steps it took
+            counter = int(answers["steps"][0])
+        elif "info" in answers:  # a worker: the steps it served
+            counter = int(answers["info"].get("steps_served", 0))
+            record.pid = answers["info"].get("pid", record.pid)
+        else:  # liveness only
+            return
+        if record.counter is not None and counter != record.counter:  # it advanced since the last answer
+            record.progress_at, record.progress_wall = now, time.time()
         record.counter = counter
-        record.answered_at = now
 
     def _judge(self, record: RankRecord, work: bool, deadline: float) -> None:
         now = time.monotonic()
@@ -173,7 +191,7 @@ class RankWatch:
             record.alive_since = now  # a new incarnation, or alive again: its clock starts now
             if incarnation != record.incarnation and record.incarnation is not None:
                 record.pending, record.counter, record.answered_at, record.pid = None, None, None, None
-                record.first_answer_at, record.progress_at = None, None
+                record.first_answer_at, record.progress_at, record.probes = None, None, 0
         record.ray_state, record.incarnation = state, incarnation
         if state != "ALIVE":
             record.state, record.reason = "dead", f"Ray reports the actor {state.lower()}"

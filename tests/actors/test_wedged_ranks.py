@@ -16,16 +16,20 @@ import ray
 from ep_helpers import GREEDY, cluster_config, prompts, reference_engine
 from raymoe.actors.rank_watch import WEDGE_FRACTION
 from raymoe.cluster.deploy import deploy
+from raymoe.engine.sampling_params import SamplingParams
 
 TIMEOUT_S = 3.0  # comm.timeout_s: the exchange's deadline
 # The watch probes every 0.25 s; a report may come one round late on a loaded 2-core machine.
 REPORT_SLACK_S = 1.0
+# Long enough that the batch is surely mid-flight when the worker freezes (10 tokens each could
+# finish between the first exchange and the SIGSTOP on a quick moment of the machine).
+LONG = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def expected(tiny_mixtral_dir):
     batch = prompts(24, seed=30)
-    return batch, [o.output_token_ids for o in reference_engine(tiny_mixtral_dir).generate(batch, GREEDY)]
+    return batch, [o.output_token_ids for o in reference_engine(tiny_mixtral_dir).generate(batch, LONG)]
 
 
 def rank_states(deployment) -> dict:
@@ -56,7 +60,7 @@ def test_a_frozen_worker_is_reported_wedged_within_the_deadline_and_serving_resu
     try:
         names = {"router 0", "router 1", "worker 0", "worker 1"}
         wait_for(lambda: set(by_rank(rank_states(deployment))) == names, 60, "the watch sees every rank")
-        assert deployment.generate(batch[:2], GREEDY)  # the group serves
+        assert deployment.generate(batch[:2], GREEDY)  # the group serves (short requests)
         states = by_rank(rank_states(deployment))
         assert all(row["state"] in ("serving", "alive") for row in states.values()), states
 
@@ -64,7 +68,7 @@ def test_a_frozen_worker_is_reported_wedged_within_the_deadline_and_serving_resu
 
         def run() -> None:
             try:
-                result["outputs"] = deployment.generate(batch, GREEDY)
+                result["outputs"] = deployment.generate(batch, LONG)
             except Exception as error:  # re-raised below
                 result["error"] = error
 
@@ -73,6 +77,7 @@ def test_a_frozen_worker_is_reported_wedged_within_the_deadline_and_serving_resu
         runner.start()
         wait_for(lambda: sum(t["bytes_sent"] for t in deployment.telemetry()) > sent or not runner.is_alive(), 60,
                  "the batch starts")
+        assert runner.is_alive(), "the batch ended before the freeze"
         frozen_at = time.time()
         os.kill(pid, signal.SIGSTOP)
         report = wait_for(lambda: (lambda r: r if r["wedged"] else None)(rank_states(deployment)),
@@ -95,7 +100,7 @@ def test_a_frozen_worker_is_reported_wedged_within_the_deadline_and_serving_resu
         new_pid = ray.get(deployment.workers[1].info.remote(), timeout=60)["pid"]
         assert new_pid != pid  # the frozen process was killed, a new one serves
         # The restarted worker is seen again and serves; nothing else was declared wedged.
-        again = deployment.generate(batch[:4], GREEDY)
+        again = deployment.generate(batch[:4], LONG)
         assert [o.output_token_ids for o in again] == want[:4]
         report = wait_for(lambda: (lambda r: r if by_rank(r)["worker 1"]["state"] in ("serving", "alive") else None)(
             rank_states(deployment)), 30, "worker 1 serving again")
