@@ -211,11 +211,10 @@ class Resize:
             try:
                 pause = self._switch(everyone, table)
             except Exception as error:
-                self._roll_back_to(old, current)
+                rolled = self._roll_back_to(old, current)
                 end_new_workers()
                 return self._failed(f"joining workers {added} to the group failed: {_describe(error)}", started,
-                                    rolled_back=f"back to {len(old)} workers (epoch {self.placement.epoch}), "
-                                                "the group rebuilt over them")
+                                    rolled_back=f"back to {len(old)} workers (epoch {self.placement.epoch}), {rolled}")
             ray.get([w.retire.remote(table.epoch) for w in everyone], timeout=CALL_TIMEOUT_S)
             self.workers = everyone
             self.worker_pids = list(self.worker_pids) + pids
@@ -256,11 +255,11 @@ class Resize:
             try:
                 pause = self._switch(kept, table)
             except Exception as error:
-                self._roll_back_to(old, drained)
-                return self._failed(f"rebuilding the group without workers {list(range(target, len(old)))} failed: "
-                                    f"{_describe(error)}", started,
-                                    rolled_back=f"back to {len(old)} workers (epoch {self.placement.epoch}); "
-                                                "nothing is routed to the leaving workers")
+                rolled = self._roll_back_to(old, drained)
+                return self._failed(f"rebuilding the group without workers {list(range(target, len(old)))} "
+                                    f"failed: {_describe(error)}", started,
+                                    rolled_back=f"back to {len(old)} workers (epoch {self.placement.epoch}; nothing "
+                                                f"is routed to the leaving workers), {rolled}")
             ray.get([w.retire.remote(table.epoch) for w in kept], timeout=CALL_TIMEOUT_S)
             self.workers = kept
             self.worker_pids = list(self.worker_pids)[:target]
@@ -339,15 +338,36 @@ class Resize:
         self._join_migration_group(workers)
         return paused
 
-    def _roll_back_to(self, workers: list[Any], table: PlacementTable) -> None:
+    def _roll_back_to(self, workers: list[Any], table: PlacementTable) -> str:
         """After a failed group rebuild: ``table``'s placement again over ``workers``, in a newer
-        epoch (routers never go back to an older one), the group rebuilt over them."""
+        epoch (routers never go back to an older one), the group rebuilt over them. Says how it
+        went. If that fails too (one of ``workers`` is lost as well), the routers still get the
+        rolled-back placement and recovery takes over in the background once this resize has
+        released the recovery lock (it waits for restarts and rebuilds the groups)."""
         rolled = self._table(table.phy2log, table.worker2node.tolist())
-        ray.get([w.activate.remote(rolled.epoch, table.epoch, rolled.to_dict()) for w in workers],
-                timeout=CALL_TIMEOUT_S)
-        self._switch(workers, rolled)
-        ray.get([w.retire.remote(rolled.epoch) for w in workers], timeout=CALL_TIMEOUT_S)
         self.placement = rolled
+        try:
+            ray.get([w.activate.remote(rolled.epoch, table.epoch, rolled.to_dict()) for w in workers],
+                    timeout=CALL_TIMEOUT_S)
+            self._switch(workers, rolled)
+            ray.get([w.retire.remote(rolled.epoch) for w in workers], timeout=CALL_TIMEOUT_S)
+            return "the group rebuilt over them"
+        except Exception as error:
+            for router in self.routers:  # never route to a worker that is not coming back
+                try:
+                    ray.get(router.set_placement.remote(rolled.to_dict()), timeout=CALL_TIMEOUT_S)
+                except Exception:
+                    pass  # a lost router is recovery's business too
+            generation = self.generation
+            threading.Thread(target=self._recover_quietly, args=(generation,), name="raymoe-resize-recover",
+                             daemon=True).start()
+            return f"but rebuilding the group failed too ({_describe(error)}): recovery rebuilds it"
+
+    def _recover_quietly(self, generation: int) -> None:
+        try:
+            self.recover(generation)
+        except Exception as error:  # shown in status()
+            self.last = {"error": f"recovery after a failed resize rollback: {_describe(error)}", "time": time.time()}
 
     def _failed(self, message: str, started: float, rolled_back: str = "nothing had changed") -> dict[str, Any]:
         self.last = {"error": f"resize failed: {message}", "time": time.time()}

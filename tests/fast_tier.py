@@ -20,6 +20,7 @@ FAST_TIER = [
     "tests/moe/test_cost_model.py::test_seed_worked_payload_numbers",
     "tests/moe/test_simulator.py::test_bytes_and_dedup_by_hand",
     "tests/moe/test_memory_plan.py::test_a_small_cpu_deployment_counted_by_hand",
+    "tests/moe/test_resize_plan.py::test_shrink_copies_only_what_the_leaving_worker_alone_holds",
     # kernels: attention, expert MLP, packed linear, the native CPU kernels, comm
     "tests/kernels/test_attention.py::test_bfloat16_tracks_the_float64_reference",
     "tests/kernels/test_attention.py::test_metadata_slots_for_a_batch_of_decodes",
