@@ -255,6 +255,32 @@ AMX_TARGET static void amx_block(const uint16_t *w, int64_t K, int64_t n, int ti
     if (tiles > 3) AMX_TILE(3);
 }
 
+/* Rows m < mb of a C tile (out[j][m]: 16 outputs j by 16 rows m) into y's row m, outputs n..n+15:
+ * one gather per row, plus the bias, rounded to bfloat16 or kept float32. */
+AMX_TARGET static void store_rows(const float *tile, int64_t mb, const uint16_t *bias, void *y, int64_t ldy,
+                                  int32_t y_f32) {
+    const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    __m512 add = _mm512_setzero_ps();
+    if (bias) add = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16));
+    for (int64_t m = 0; m < mb; m++) {
+        __m512 value = _mm512_i32gather_ps(across, tile + m, 4);
+        if (bias) value = _mm512_add_ps(value, add);
+        if (y_f32) _mm512_storeu_ps((float *)y + m * ldy, value);
+        else _mm256_storeu_si256((__m256i *)((uint16_t *)y + m * ldy), f32_to_bf16_ps(value));
+    }
+}
+
+/* The rows' VNNI copies (x's, and the experts' h) a pass keeps at once: they stay in L2 while each
+ * block of weights streams past them once, so up to 16 groups of 16 rows cost one pass over the
+ * weights rather than one a group. */
+#define AMX_PASS_BYTES (3 << 19)
+
+static int64_t pass_groups(int64_t bytes_per_group) {
+    int64_t groups = AMX_PASS_BYTES / bytes_per_group;
+    return groups < 1 ? 1 : groups > 16 ? 16 : groups;
+}
+
 /* raymoe_bf16_linear's contract, on AMX (-1 on K % 32, -2 on no memory). Outputs past the last
  * whole 16 (N % 16 of them) take the AVX512_BF16 dot products: which kernel computes an output
  * depends on its index only, never on the rows in the call. */
@@ -263,24 +289,28 @@ AMX_TARGET int raymoe_amx_linear(const uint16_t *x, int64_t ldx, void *y, int64_
                                  int64_t n1) {
     if (K % 32 || K <= 0 || n0 < 0 || n1 < n0 || n0 % 16) return -1;
     const int64_t whole = n0 + (n1 - n0) / 16 * 16;
-    uint32_t *xv = aligned_alloc(64, (size_t)K / 32 * 16 * AMX_ROWS * sizeof(uint32_t));
+    const int64_t group_words = K / 32 * 16 * AMX_ROWS; /* one group's VNNI rows, in pairs */
+    const int64_t groups = pass_groups(group_words * 4);
+    uint32_t *xv = aligned_alloc(64, (size_t)(groups * group_words) * sizeof(uint32_t));
     if (!xv) return -2;
     float out[4 * 256];
     amx_configure();
-    for (int64_t first = 0; first < M; first += AMX_ROWS) {
-        const int64_t mb = M - first < AMX_ROWS ? M - first : AMX_ROWS;
-        vnni_rows(x + first * ldx, ldx, mb, K, xv);
+    for (int64_t first = 0; first < M; first += groups * AMX_ROWS) {
+        const int64_t rows = M - first < groups * AMX_ROWS ? M - first : groups * AMX_ROWS;
+        for (int64_t g = 0; g * AMX_ROWS < rows; g++) {
+            const int64_t mb = rows - g * AMX_ROWS < AMX_ROWS ? rows - g * AMX_ROWS : AMX_ROWS;
+            vnni_rows(x + (first + g * AMX_ROWS) * ldx, ldx, mb, K, xv + g * group_words);
+        }
         for (int64_t n = n0; n < whole; n += 64) {
             const int tiles = whole - n >= 64 ? 4 : (int)((whole - n) / 16);
-            amx_block(w, K, n, tiles, xv, out);
-            for (int64_t j = 0; j < 16 * tiles; j++) {
-                const float add = bias ? bf16_to_f32(bias[n + j]) : 0.0f;
-                for (int64_t m = 0; m < mb; m++) {
-                    const float value = out[(j / 16) * 256 + (j % 16) * 16 + m] + add;
-                    const int64_t at = (first + m) * ldy + n + j;
-                    if (y_f32) ((float *)y)[at] = value;
-                    else ((uint16_t *)y)[at] = f32_to_bf16(value);
-                }
+            for (int64_t g = 0; g * AMX_ROWS < rows; g++) {
+                const int64_t mb = rows - g * AMX_ROWS < AMX_ROWS ? rows - g * AMX_ROWS : AMX_ROWS;
+                amx_block(w, K, n, tiles, xv + g * group_words, out);
+                const int64_t row = first + g * AMX_ROWS;
+                for (int t = 0; t < tiles; t++)
+                    store_rows(out + 256 * t, mb, bias ? bias + n + 16 * t : NULL,
+                               y_f32 ? (void *)((float *)y + row * ldy + n + 16 * t)
+                                     : (void *)((uint16_t *)y + row * ldy + n + 16 * t), ldy, y_f32);
             }
         }
     }
@@ -290,17 +320,20 @@ AMX_TARGET int raymoe_amx_linear(const uint16_t *x, int64_t ldx, void *y, int64_
     return 0;
 }
 
-/* raymoe_bf16_swiglu_experts' contract on AMX (scratch unused): per expert, its rows 16 at a time
- * in a B tile; gate and up rows 16 at a time as A tiles (two C tiles), silu(gate) * up for those 16
- * intermediates of the 16 rows at once, rounded to bfloat16 straight into the VNNI layout of the
- * down's B operand; then the down like raymoe_amx_linear. -1 on D or I not multiples of 32. */
+/* raymoe_bf16_swiglu_experts' contract on AMX (scratch unused): per expert, its rows in passes of up
+ * to 16 groups of 16 (pass_groups), each group a B tile; gate and up rows 16 at a time as A tiles
+ * (two C tiles), silu(gate) * up for those 16 intermediates of a group's 16 rows at once, rounded to
+ * bfloat16 straight into the VNNI layout of the down's B operand; then the down like
+ * raymoe_amx_linear. -1 on D or I not multiples of 32, -2 on no memory. */
 AMX_TARGET int raymoe_amx_swiglu_experts(const uint16_t *x, uint16_t *y, const uint16_t *w13, const uint16_t *w2,
                                          const int64_t *jobs, int64_t n_jobs, int64_t D, int64_t I,
                                          uint16_t *scratch) {
     (void)scratch;
     if (D % 32 || I % 32 || D <= 0 || I <= 0) return -1;
-    uint32_t *xv = aligned_alloc(64, (size_t)D / 32 * 16 * AMX_ROWS * sizeof(uint32_t));
-    uint16_t *hv = aligned_alloc(64, (size_t)I / 32 * 16 * AMX_ROWS * 2 * sizeof(uint16_t));
+    const int64_t x_words = D / 32 * 16 * AMX_ROWS, h_halves = I / 32 * 16 * AMX_ROWS * 2;
+    const int64_t groups = pass_groups(x_words * 4 + h_halves * 2);
+    uint32_t *xv = aligned_alloc(64, (size_t)(groups * x_words) * sizeof(uint32_t));
+    uint16_t *hv = aligned_alloc(64, (size_t)(groups * h_halves) * sizeof(uint16_t));
     if (!xv || !hv) {
         free(xv);
         free(hv);
@@ -310,36 +343,46 @@ AMX_TARGET int raymoe_amx_swiglu_experts(const uint16_t *x, uint16_t *y, const u
     amx_configure();
     for (int64_t j = 0; j < n_jobs; j++) {
         const uint16_t *e13 = w13 + jobs[3 * j] * 2 * I * D, *e2 = w2 + jobs[3 * j] * D * I;
-        for (int64_t first = jobs[3 * j + 1]; first < jobs[3 * j + 2]; first += AMX_ROWS) {
-            const int64_t mb = jobs[3 * j + 2] - first < AMX_ROWS ? jobs[3 * j + 2] - first : AMX_ROWS;
-            vnni_rows(x + first * D, D, mb, D, xv);
-            for (int64_t i = 0; i < I; i += 16) {
-                _tile_zero(0);
-                _tile_zero(1);
-                for (int64_t kb = 0; kb < D / 32; kb++) {
-                    _tile_loadd(5, xv + kb * 16 * AMX_ROWS, 64);
-                    _tile_loadd(4, e13 + i * D + 32 * kb, 2 * D);
-                    _tile_dpbf16ps(0, 4, 5);
-                    _tile_loadd(4, e13 + (I + i) * D + 32 * kb, 2 * D);
-                    _tile_dpbf16ps(1, 4, 5);
-                }
-                _tile_stored(0, out, 64);       /* gate[c][m], c < 16 intermediates, m < 16 rows */
-                _tile_stored(1, out + 256, 64); /* up */
-                for (int64_t c = 0; c < 16; c++) {
-                    const int64_t at = i + c; /* h[m][at] for the 16 rows m at once */
-                    uint16_t h[16];
-                    _mm256_storeu_si256((__m256i *)h, f32_to_bf16_ps(swiglu_ps(_mm512_loadu_ps(out + 16 * c),
-                                                                             _mm512_loadu_ps(out + 256 + 16 * c))));
-                    uint16_t *pair = hv + ((at / 32 * 16 + at % 32 / 2) * AMX_ROWS) * 2 + at % 2;
-                    for (int64_t m = 0; m < AMX_ROWS; m++) pair[2 * m] = m < mb ? h[m] : 0;
-                }
+        for (int64_t first = jobs[3 * j + 1]; first < jobs[3 * j + 2]; first += groups * AMX_ROWS) {
+            const int64_t rows = jobs[3 * j + 2] - first < groups * AMX_ROWS ? jobs[3 * j + 2] - first
+                                                                            : groups * AMX_ROWS;
+            const int64_t count = (rows + AMX_ROWS - 1) / AMX_ROWS;
+            for (int64_t g = 0; g < count; g++) {
+                const int64_t mb = rows - g * AMX_ROWS < AMX_ROWS ? rows - g * AMX_ROWS : AMX_ROWS;
+                vnni_rows(x + (first + g * AMX_ROWS) * D, D, mb, D, xv + g * x_words);
             }
+            for (int64_t i = 0; i < I; i += 16)
+                for (int64_t g = 0; g < count; g++) {
+                    const int64_t mb = rows - g * AMX_ROWS < AMX_ROWS ? rows - g * AMX_ROWS : AMX_ROWS;
+                    const uint32_t *b = xv + g * x_words;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    for (int64_t kb = 0; kb < D / 32; kb++) {
+                        _tile_loadd(5, b + kb * 16 * AMX_ROWS, 64);
+                        _tile_loadd(4, e13 + i * D + 32 * kb, 2 * D);
+                        _tile_dpbf16ps(0, 4, 5);
+                        _tile_loadd(4, e13 + (I + i) * D + 32 * kb, 2 * D);
+                        _tile_dpbf16ps(1, 4, 5);
+                    }
+                    _tile_stored(0, out, 64);       /* gate[c][m], c < 16 intermediates, m < 16 rows */
+                    _tile_stored(1, out + 256, 64); /* up */
+                    for (int64_t c = 0; c < 16; c++) {
+                        const int64_t at = i + c; /* h[m][at] for the group's 16 rows m at once */
+                        uint16_t h[16];
+                        _mm256_storeu_si256((__m256i *)h, f32_to_bf16_ps(swiglu_ps(
+                                                              _mm512_loadu_ps(out + 16 * c), _mm512_loadu_ps(out + 256 + 16 * c))));
+                        uint16_t *pair = hv + g * h_halves + ((at / 32 * 16 + at % 32 / 2) * AMX_ROWS) * 2 + at % 2;
+                        for (int64_t m = 0; m < AMX_ROWS; m++) pair[2 * m] = m < mb ? h[m] : 0;
+                    }
+                }
             for (int64_t d = 0; d < D; d += 64) {
                 const int tiles = D - d >= 64 ? 4 : (int)((D - d) / 16);
-                amx_block(e2, I, d, tiles, (const uint32_t *)hv, out);
-                for (int64_t c = 0; c < 16 * tiles; c++)
-                    for (int64_t m = 0; m < mb; m++)
-                        y[(first + m) * D + d + c] = f32_to_bf16(out[(c / 16) * 256 + (c % 16) * 16 + m]);
+                for (int64_t g = 0; g < count; g++) {
+                    const int64_t mb = rows - g * AMX_ROWS < AMX_ROWS ? rows - g * AMX_ROWS : AMX_ROWS;
+                    amx_block(e2, I, d, tiles, (const uint32_t *)(hv + g * h_halves), out);
+                    for (int t = 0; t < tiles; t++)
+                        store_rows(out + 256 * t, mb, NULL, y + (first + g * AMX_ROWS) * D + d + 16 * t, D, 0);
+                }
             }
         }
     }
