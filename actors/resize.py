@@ -190,6 +190,9 @@ class Resize:
         phy2log, copies = plan_grow(current, target, load, new_nodes)
         table = self._table(phy2log, empty.worker2node.tolist())
         with self._recover_lock:
+            if self._changed_since(current):  # a recovery ran while the new workers started
+                end_new_workers()
+                return self._refused(self._changed_since(current), 409)
             # Step 3: copies from live workers into the new ones; everyone activates the epoch.
             try:
                 self._join_migration_group(everyone)
@@ -233,6 +236,8 @@ class Resize:
         drained = self._table(phy2log, current.worker2node.tolist())
         phases: dict[str, float] = {}
         with self._recover_lock:
+            if self._changed_since(current):
+                return self._refused(self._changed_since(current), 409)
             # Step 1: the leaving workers' experts onto staying ones; routing moves off them.
             try:
                 self._fault_into(kept, "resize_copy")
@@ -277,6 +282,14 @@ class Resize:
         return dict(self._report(len(old), target, started, pause, copies, moved, table), **phases)
 
     # ---- parts ---------------------------------------------------------------------------
+    def _changed_since(self, current: PlacementTable) -> str | None:
+        """Why the resize planned on ``current`` must not go on (a recovery changed the placement
+        or the workers meanwhile), or None."""
+        if self.placement.epoch != current.epoch or self.degraded is not None:
+            return (f"a recovery changed the deployment while the resize was being prepared (placement epoch "
+                    f"{current.epoch} -> {self.placement.epoch}); nothing was changed by the resize: try again")
+        return None
+
     def _next_epoch(self) -> int:
         with self._counters_lock:
             self.max_epoch += 1
