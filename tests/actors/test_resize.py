@@ -131,3 +131,27 @@ def test_a_grow_that_fails_halfway_rolls_back_without_losing_a_request(deploymen
         ray.get_actor("resize-worker-1", namespace="raymoe")
     again = deployment.generate(batch[:8], GREEDY)  # it serves on at the old size
     assert [o.output_token_ids for o in again] == want[:8]
+
+
+def test_a_shrink_copies_what_only_the_leaving_worker_holds(ray_session, tiny_mixtral_dir, expected):
+    batch, want = expected
+    config = cluster_config(tiny_mixtral_dir, **dict(CONFIG, expert_workers=3,
+                                                     placement={"strategy": "round_robin",
+                                                                "redundant_slots_per_worker": 1}))
+    deployment = deploy(config, name="resize-copies")  # 4 slots a worker: 8 fit on 2 workers
+    try:
+        leaving = set(ray.get(deployment.workers[2].info.remote())["experts"][0])
+        staying = {e for w in deployment.workers[:2] for e in ray.get(w.info.remote())["experts"][0]}
+        assert leaving - staying  # worker 2 alone holds some experts
+        outputs, shrunk = generate_while(deployment, batch, lambda: deployment.resize(2))
+        assert [o.output_token_ids for o in outputs] == want
+        assert shrunk["resized"] is True and shrunk["workers"] == 2, shrunk
+        layers = len(deployment.status()["placement"])
+        assert 0 < shrunk["copies"] <= 4 * layers and shrunk["bytes_copied"] < shrunk["bytes_all_experts"]
+        assert all(c["source_worker"] == 2 and c["destination_worker"] < 2 for c in shrunk["moved"])
+        for layer in deployment.status()["placement"]:
+            assert set(layer) == set(range(8))  # every expert on the 2 staying workers
+        again = deployment.generate(batch[:16], GREEDY)
+        assert [o.output_token_ids for o in again] == want[:16]
+    finally:
+        deployment.shutdown()
