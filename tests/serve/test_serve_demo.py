@@ -38,7 +38,9 @@ def demo_server(tmp_path_factory):
 def test_serve_without_a_config_writes_the_demo_and_answers(demo_server):
     assert (demo_server.cache / "demo-mixtral" / "config.json").is_file()
     with urllib.request.urlopen(f"{demo_server.url}/health", timeout=30) as response:
-        assert json.loads(response.read()) == {"status": "ok", "routers": 2, "expert_workers": 4}
+        health = json.loads(response.read())  # (with each rank's state from the rank watch since a3ca700)
+    assert {key: health[key] for key in ("status", "routers", "expert_workers")} == \
+        {"status": "ok", "routers": 2, "expert_workers": 4}
     body = complete(demo_server.url, {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
     assert body["usage"]["completion_tokens"] == 4
     assert "ready at" in demo_server.tail()
