@@ -451,16 +451,18 @@ def write_plot(rows: list[dict[str, Any]], path: str,
     concurrencies = sorted({row["concurrency"] for row in rows})
     metrics = [("output_tok_s", "output tokens/s (higher is better)"), ("itl_p50_ms", "ITL P50, ms (lower is better)"),
                ("ttft_p50_ms", "TTFT P50, ms (lower is better)")]
+    if any(row.get("peak_rss_gb") for row in rows):  # the real shapes' figures
+        metrics += [("tpot_p50_ms", "TPOT P50, ms (lower is better)"), ("peak_rss_gb", "peak RSS, GB (lower is better)")]
     figure, panels = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4.2))
     width = 0.8 / max(1, len(servers))
-    for axes, (metric, title) in zip(panels, metrics):
+    for axes, (metric, panel_title) in zip(panels, metrics):
         for index, server in enumerate(servers):
             xs = [c_index + (index - (len(servers) - 1) / 2) * width for c_index in range(len(concurrencies))]
             values = [find(rows, server, c, metric) or 0.0 for c in concurrencies]
             bars = axes.bar(xs, values, width, label=server)
             axes.bar_label(bars, labels=[f"{v:.0f}" if v >= 10 else f"{v:.1f}" for v in values], fontsize=7)
         axes.set_xticks(range(len(concurrencies)), [f"C={c}" for c in concurrencies])
-        axes.set_title(title)
+        axes.set_title(panel_title)
         axes.grid(axis="y", alpha=0.3)
         axes.legend(fontsize=8)
     figure.suptitle(title)

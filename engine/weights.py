@@ -223,12 +223,16 @@ def load_expert_stack(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack the given logical experts of model layer ``layer``: ``w13 [S, 2I, D]``, ``w2 [S, D, I]``.
 
-    An empty slot (expert -1) gets zero weights. Each expert is read straight into its row
-    (:func:`read_expert_into`): no second copy of the stack is ever held.
+    Each expert is read straight into its row (:func:`read_expert_into`): no second copy of the
+    stack is ever held. An empty slot (expert -1: a worker's spare rows, for experts a migration
+    will stage there) is left unwritten, whatever the allocator gave: no token is routed to it
+    before an expert is written there, and on a CPU its memory does not become resident until
+    then (a Mixtral-8x7B-shaped worker's 4 spare rows a layer are 1.4 GB a layer; zeroed, they
+    were resident from the start).
     """
     inter, hidden = config.moe_intermediate_size, config.hidden_size
-    w13 = torch.zeros(len(experts), 2 * inter, hidden, dtype=dtype, device=device)
-    w2 = torch.zeros(len(experts), hidden, inter, dtype=dtype, device=device)
+    w13 = torch.empty(len(experts), 2 * inter, hidden, dtype=dtype, device=device)
+    w2 = torch.empty(len(experts), hidden, inter, dtype=dtype, device=device)
     for slot, expert in enumerate(experts):
         if expert >= 0:
             read_expert_into(checkpoint, config, layer, expert, w13[slot], w2[slot])
