@@ -123,6 +123,10 @@ BF16_CASES = {
 def test_bfloat16_outputs_equal_the_in_process_engine_bit_for_bit(arch, ray_session, tmp_path_factory):
     from tiny_models import build_reference_model, write_checkpoint
 
+    reason = native_bf16.bf16_unavailable_reason()
+    if reason is not None:  # torch's bf16 GEMMs give a row other bits in another batch: no such promise there
+        pytest.skip(f"raymoe's bf16 kernels do not run here ({reason}); placement-independence in bf16 rests on them")
+
     overrides, case = BF16_CASES[arch]
     model_dir = write_checkpoint(build_reference_model(arch, **overrides), str(tmp_path_factory.mktemp(f"bf16-{arch}")),
                                  dtype=torch.bfloat16)
