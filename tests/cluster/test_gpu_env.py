@@ -13,6 +13,7 @@ import types
 import pytest
 import ray
 
+import raymoe.actors.worker_spec as worker_spec
 import raymoe.cluster.deploy as deploy_module
 from raymoe.cluster.config import ConfigError, parse_cluster_config
 from raymoe.cluster.gpu_env import gpu_actor_env, nccl_env_problem
@@ -74,6 +75,7 @@ def run_deploy_until_the_first_actor(monkeypatch, config) -> dict:
                                      exceptions=ray.exceptions, cluster_resources=lambda: {"GPU": 2.0},
                                      nodes=lambda: [{}])
     monkeypatch.setattr(deploy_module, "ray", fake_ray)
+    monkeypatch.setattr(worker_spec, "ray", fake_ray)  # the workers are started there (deploy and resize alike)
     monkeypatch.setattr(deploy_module, "placement_group", lambda bundles, **kwargs: FakeGroup())
     monkeypatch.setattr(deploy_module, "placement_group_table", lambda group: {"bundles_to_node_id": {0: "n0"}})
     monkeypatch.setattr(deploy_module, "PlacementGroupSchedulingStrategy", lambda *args: "strategy")
