@@ -85,13 +85,16 @@ def test_a_hot_expert_migrates_across_nodes_and_outputs_do_not_change(three_node
     try:
         assert len(set(deployment.worker_nodes)) == 2
         outputs = []
-        for round_ in range(8):
+        deadline = time.monotonic() + 90  # the controller's decision needs its window; a loaded machine slows it
+        for round_ in range(40):
+            if time.monotonic() > deadline:
+                break
             outputs = deployment.generate(batch, params)
             assert [o.output_token_ids for o in outputs] == expected  # before, during and after
             if deployment.status()["rebalances"] >= 1:
                 break
         status = deployment.status()
-        assert status["rebalances"] >= 1, status["last_decision"]
+        assert status["rebalances"] >= 1, status
         moved = status["last_rebalance"]["moved"]
         assert any(not copy["same_node"] and copy["expert"] in (0, 1) for copy in moved), moved
         assert [o.output_token_ids for o in deployment.generate(batch, params)] == expected

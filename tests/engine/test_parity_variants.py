@@ -53,15 +53,20 @@ BF16_DECODE_Q90 = 0.2
 BF16_DECODE_TOKEN_GAP = 0.2
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_bfloat16_checkpoint_tracks_transformers_in_prefill_and_decode(arch, tmp_path):
+def bfloat16_engine(arch: str, tmp_path) -> tuple:
+    """(transformers' model, the engine on its checkpoint written in bfloat16, the test's prompts)."""
     model = build_reference_model(arch)
     path = write_checkpoint(model, str(tmp_path), dtype=torch.bfloat16)
     engine = LLMEngine.from_pretrained(path, EngineConfig(dtype="auto", block_size=8))
     assert engine.cache.dtype == torch.bfloat16
-    hf = model.to(torch.bfloat16)
     generator = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(4, VOCAB, (n,), generator=generator).tolist() for n in (3, 21, 40)]
+    return model, engine, [torch.randint(4, VOCAB, (n,), generator=generator).tolist() for n in (3, 21, 40)]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_bfloat16_checkpoint_tracks_transformers_in_prefill_and_decode(arch, tmp_path):
+    model, engine, prompts = bfloat16_engine(arch, tmp_path)
+    hf = model.to(torch.bfloat16)
     with torch.no_grad():
         # Prefill: every prompt position.
         diffs, gaps, agree = [], [], []
@@ -105,12 +110,8 @@ BF16_VS_F32_AGREEMENT = 0.9
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_bfloat16_engine_tracks_transformers_in_float32(arch, tmp_path):
-    model = build_reference_model(arch)
-    path = write_checkpoint(model, str(tmp_path), dtype=torch.bfloat16)
-    engine = LLMEngine.from_pretrained(path, EngineConfig(dtype="auto", block_size=8))
+    model, engine, prompts = bfloat16_engine(arch, tmp_path)
     exact = model.to(torch.bfloat16).float()  # the checkpoint's weights, in float32
-    generator = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(4, VOCAB, (n,), generator=generator).tolist() for n in (3, 21, 40)]
     diffs, agree = [], []
     with torch.no_grad():
         for prompt, ours in zip(prompts, engine.score(prompts)):
