@@ -38,8 +38,9 @@ from raymoe.kernels.comm import wire
 LOG = logging.getLogger("raymoe.kernels")
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+BF16_SOURCE = os.path.join(_CSRC, "cpu_bf16.c")  # the bfloat16 kernels (AVX512_BF16, AMX)
 SOURCES = (os.path.join(_CSRC, "cpu_f32.c"),  # the float32 kernels
-           os.path.join(_CSRC, "cpu_bf16.c"),  # the bfloat16 kernels (AVX512_BF16)
+           BF16_SOURCE,
            os.path.join(_CSRC, "cpu_exchange.c"))  # each side's layer of the exchange over sockets
 INCLUDED = (os.path.join(_CSRC, "simd_math.h"), os.path.join(_CSRC, "decode_attention.inc"))  # headers the sources include (part of the build's digest)
 HEADER_NAME = "raymoe_constants.h"  # generated: c_header()
@@ -130,7 +131,11 @@ def unavailable_reason() -> str | None:
                 if not library.raymoe_native_supported():
                     raise OSError("this CPU has no AVX-512F")
                 for name, argtypes in _SIGNATURES.items():
-                    function = getattr(library, name)
+                    function = getattr(library, name, None)
+                    if function is None and STATE.bf16 and name.startswith(("raymoe_bf16", "raymoe_amx")):
+                        continue  # built without the bfloat16 kernels (_build says why)
+                    if function is None:
+                        raise OSError(f"the library has no {name}")
                     function.restype, function.argtypes = _RETURNS.get(name, ctypes.c_int), argtypes
                 disagree = constant_differences(reported_constants(library), constants())
                 if disagree:
@@ -178,13 +183,39 @@ def check(status: int, name: str) -> None:
 
 
 def _build() -> str:
+    """Path of the shared library, compiled if not there yet. A compiler that cannot build the
+    bfloat16 kernels (one without AMX's intrinsics: GCC before 11) still gets the float32 ones:
+    the library is built without kernels/csrc/cpu_bf16.c, and :func:`bf16_unavailable_reason` says why."""
+    try:
+        return _build_from(SOURCES)
+    except BuildError as error:
+        path = _build_from(tuple(name for name in SOURCES if name != BF16_SOURCE))
+        STATE.bf16 = f"the C compiler could not build kernels/csrc/cpu_bf16.c ({_first_error(error.stderr)})"
+        LOG.warning("bfloat16 native kernels unavailable (%s): torch's kernels run instead", STATE.bf16)
+        return path
+
+
+class BuildError(OSError):
+    """The compiler refused the sources; ``stderr`` is what it said."""
+
+    def __init__(self, message: str, stderr: str):
+        super().__init__(message)
+        self.stderr = stderr
+
+
+def _first_error(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if "error" in line] or stderr.splitlines() or [""]
+    return lines[0].strip()[:200]
+
+
+def _build_from(sources: tuple[str, ...]) -> str:
     """Path of the shared library for these sources, constants and compiler, compiled if not there yet."""
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise OSError(f"no C compiler ({compiler!r} not found; set CC)")
     header = c_header().encode()
     source = header
-    for name in SOURCES + INCLUDED:
+    for name in sources + INCLUDED:
         with open(name, "rb") as handle:
             source += handle.read()
     version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
@@ -200,11 +231,11 @@ def _build() -> str:
     try:  # built under a name of its own, then renamed: processes building at once never see half a file
         with open(os.path.join(include, HEADER_NAME), "wb") as handle:
             handle.write(header)
-        result = subprocess.run([compiler, *CFLAGS, "-I", include, "-o", partial, *SOURCES], capture_output=True,
+        result = subprocess.run([compiler, *CFLAGS, "-I", include, "-o", partial, *sources], capture_output=True,
                                 timeout=120)
         if result.returncode != 0:
-            raise OSError(f"{compiler} failed on {', '.join(SOURCES)}: "
-                          f"{result.stderr.decode(errors='replace').strip()[:500]}")
+            stderr = result.stderr.decode(errors="replace").strip()
+            raise BuildError(f"{compiler} failed on {', '.join(sources)}: {stderr[:500]}", stderr)
         os.replace(partial, path)
     finally:
         if os.path.exists(partial):

@@ -93,7 +93,8 @@ def test_reload_rewrites_the_pool_in_place(tiny_mixtral_dir):
         if native_cpu.prepare_experts(w13, w2):  # the kernel's layouts are the new rows', not the old ones'
             for cached, fresh in zip(native_cpu._packed_experts(worker.w13[moe_layer], worker.w2[moe_layer]),
                                      native_cpu._packed_experts(w13, w2)):
-                assert torch.equal(cached, fresh)
+                # bit for bit: a spare row holds whatever its memory held (engine/weights.py), NaN patterns included
+                assert torch.equal(cached.view(torch.int32), fresh.view(torch.int32))
     assert worker.experts == {moved.epoch: [moved.worker_experts(layer, 0) for layer in range(layers)]}
     again = worker.load_placement(moved.to_dict())  # a retried reload: nothing read, nothing moved
     assert (again["rows_read"], again["rows_moved"]) == (0, 0)

@@ -152,6 +152,26 @@ def test_without_a_compiler_experts_run_on_onednn_and_say_why(tmp_path):
 
 
 @needs_kernel
+def test_a_compiler_that_cannot_build_the_bf16_kernels_still_builds_the_f32_ones(tmp_path):
+    """A compiler without AMX's intrinsics (GCC before 11) fails on cpu_bf16.c: the float32 kernels
+    are built without it, and the bfloat16 ones say why they do not run."""
+    wrapper = tmp_path / "cc"
+    wrapper.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in *cpu_bf16.c) '
+                       'echo "cpu_bf16.c:1: error: no AMX intrinsics here" >&2; exit 1;; esac; done\nexec cc "$@"\n')
+    wrapper.chmod(0o755)
+    code = textwrap.dedent("""
+        from raymoe.kernels import native_library
+        assert native_library.unavailable_reason() is None, native_library.unavailable_reason()
+        reason = native_library.bf16_unavailable_reason()
+        assert reason and "cpu_bf16.c" in reason and "no AMX intrinsics" in reason, reason
+        print("ok")
+    """)
+    env = dict(os.environ, CC=str(wrapper), RAYMOE_NATIVE_DIR=str(tmp_path / "build"))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+@needs_kernel
 def test_the_library_reports_every_shared_constant_as_the_python_side_defines_it():
     """One source: the library was compiled from a header generated out of kernels/comm/wire.py
     and CHUNK_ROWS, and reports what its C code sees (the frame's and trailer's sizes measured
