@@ -116,14 +116,8 @@ def run_rows(rows: torch.Tensor, row_pool: torch.Tensor, row_weights: torch.Tens
     in float32 in position order (deterministic).
     """
     num_rows, top_k = row_pool.shape
-    pool_size = w13.shape[0]
     assignments = sum(pool_counts)
-    key = row_pool.reshape(-1)  # [N*k]
-    if assignments != num_rows * top_k:  # some positions run nowhere here (-1): they sort last
-        key = torch.where(key >= 0, key, pool_size)
-    chosen = torch.argsort(key, stable=True)[:assignments]  # flat (row, position), sorted by pool row
-    expert_in = rows.index_select(0, torch.div(chosen, top_k, rounding_mode="floor"))
-    expert_out = grouped_swiglu(expert_in, pool_counts, w13, w2, executor=executor)  # [A, D]
+    chosen, expert_out = _pool_experts(rows, row_pool, w13, w2, pool_counts, executor)
     accumulate = torch.promote_types(rows.dtype, torch.float32)
     weighted = expert_out.to(accumulate) * row_weights.reshape(-1).index_select(0, chosen).unsqueeze(1)
     # Every (row, position) is written when every position holds an assignment: no zero fill.
@@ -133,20 +127,27 @@ def run_rows(rows: torch.Tensor, row_pool: torch.Tensor, row_weights: torch.Tens
     return slots.view(num_rows, top_k, rows.shape[1]).sum(dim=1).to(rows.dtype), assignments
 
 
+def _pool_experts(rows: torch.Tensor, row_pool: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  pool_counts: list[int], executor: Executor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(chosen [A], expert outputs [A, D])``: every (row, position) with a pool row, as flat indices
+    sorted by pool row, and one grouped SwiGLU over their rows in that order."""
+    num_rows, top_k = row_pool.shape
+    assignments = sum(pool_counts)
+    key = row_pool.reshape(-1)  # [N*k]
+    if assignments != num_rows * top_k:  # some positions run nowhere here (-1): they sort last
+        key = torch.where(key >= 0, key, w13.shape[0])
+    chosen = torch.argsort(key, stable=True)[:assignments]  # flat (row, position), sorted by pool row
+    expert_in = rows.index_select(0, torch.div(chosen, top_k, rounding_mode="floor"))
+    return chosen, grouped_swiglu(expert_in, pool_counts, w13, w2, executor=executor)  # [A, D]
+
+
 def run_assignments(rows: torch.Tensor, row_pool: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     pool_counts: list[int], executor: Executor | None = None) -> torch.Tensor:
     """A worker's experts over the rows it received, one output row per assignment, unweighted:
     ``[A, D]`` in (row, position) order, the order a router reads them back in (the combine of
     every dtype but float32: kernels/comm/wire.py::RowFormat.per_assignment). Arguments as
     :func:`run_rows`'."""
-    num_rows, top_k = row_pool.shape
-    assignments = sum(pool_counts)
-    key = row_pool.reshape(-1)
-    if assignments != num_rows * top_k:
-        key = torch.where(key >= 0, key, w13.shape[0])
-    chosen = torch.argsort(key, stable=True)[:assignments]  # flat (row, position), sorted by pool row
-    expert_in = rows.index_select(0, torch.div(chosen, top_k, rounding_mode="floor"))
-    expert_out = grouped_swiglu(expert_in, pool_counts, w13, w2, executor=executor)  # [A, D]
+    chosen, expert_out = _pool_experts(rows, row_pool, w13, w2, pool_counts, executor)
     return expert_out.index_select(0, torch.argsort(chosen))  # (row, position) order
 
 

@@ -101,14 +101,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)`` (:func:`linear_applies` checked) in ``out_dtype`` (bfloat16, or
     float32 for logits). A weight of ``SPLIT_MIN_BYTES`` or more has its outputs split over
     ``threads`` threads (default :func:`split_threads`): the same bits, each output is computed alike."""
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype must be float32 or bfloat16, not {out_dtype}")
     shape = x.shape
     flat = x.reshape(-1, shape[-1]).contiguous()
     rows, features = flat.shape[0], weight.shape[0]
     out = torch.empty(rows, features, dtype=out_dtype)
     bias = bias.contiguous() if bias is not None else None
     f32 = 1 if out_dtype == torch.float32 else 0
-    if out_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"out_dtype must be float32 or bfloat16, not {out_dtype}")
 
     def run(first: int, end: int) -> None:
         _check(_kernels()[0](
