@@ -286,14 +286,17 @@ class Router:
                 self.idle_rounds = 0
                 with self._lock:
                     outputs = self._group_step(has_work)
-            except RECOVERABLE as error:  # a peer died or froze: recover outside the lock
+            except Exception as error:
+                if not isinstance(error, RECOVERABLE) and self.experts.exchange is exchange:
+                    with self._lock:  # not the group's failure: every request in flight hears why
+                        self._fail_all(f"{type(error).__name__}: {error}")
+                    continue
+                # A peer died or froze, or the group was taken down under this step (a resize or
+                # a recovery aborts it from another thread; whatever that raised follows from it):
+                # recover outside the lock, then the step runs again.
                 failure = error
                 self.last_failure = {"error": f"{type(error).__name__}: {error}",
                                      "after_s": time.monotonic() - step_started, "time": time.time()}
-            except Exception as error:  # anything else: every request in flight hears why
-                with self._lock:
-                    self._fail_all(f"{type(error).__name__}: {error}")
-                continue
             if failure is not None:
                 self._recover(failure, exchange)
             if outputs:

@@ -276,9 +276,11 @@ class SocketCommunicator(PointToPointCommunicator):
                 events[peer] = events.get(peer, 0) | select.POLLOUT
             by_fd = {}
             for peer, mask in events.items():
-                connection = self._peers[peer]
-                by_fd[connection.fileno()] = peer
-                poller.register(connection, mask)
+                fd = self._peers[peer].fileno()  # -1 once abort() from another thread closed it
+                if fd < 0:
+                    raise self._gone(peer, tag)
+                by_fd[fd] = peer
+                poller.register(fd, mask)  # (the number, not the socket: it may close meanwhile)
             ready = poller.poll(1000 * min(remaining, POLL_SLICE_S))
             for fd, flags in ready:
                 peer = by_fd.get(fd)
@@ -301,7 +303,7 @@ class SocketCommunicator(PointToPointCommunicator):
             except BlockingIOError:
                 return
             except OSError as error:
-                raise self._lost(peer, tag, f"sending failed: {first_line(error)}") from error
+                raise self._gone(peer, tag, f"sending failed: {first_line(error)}") from error
             written = 0  # whole views written
             while written < len(batch) and sent >= len(batch[written]):
                 sent -= len(batch[written])
@@ -348,7 +350,7 @@ class SocketCommunicator(PointToPointCommunicator):
             except BlockingIOError:
                 return
             except OSError as error:
-                raise self._lost(peer, tag, f"receiving failed: {first_line(error)}") from error
+                raise self._gone(peer, tag, f"receiving failed: {first_line(error)}") from error
             queue.popleft()
         del pending.recvs[peer]
 
@@ -371,6 +373,13 @@ class SocketCommunicator(PointToPointCommunicator):
     def _lost(self, peer: int, tag: str,
               detail: str = "the connection was closed (the peer process most likely died)") -> CommError:
         return self._broken(PeerLostError(tag=tag, peer=peer, world_size=self.world_size, detail=detail))
+
+    def _gone(self, peer: int, tag: str, detail: str = "the connection was closed") -> CommError:
+        """A socket that failed or closed under a wait: `CommClosedError` where this rank's own
+        abort() or close() (from another thread) closed it, else the peer lost."""
+        if self._closed:
+            return self._broken(CommClosedError(tag))
+        return self._lost(peer, tag, detail)
 
     def _teardown(self, abort: bool) -> None:
         self._wake()  # a thread inside _wait wakes and sees the state

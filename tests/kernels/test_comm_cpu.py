@@ -341,6 +341,41 @@ def test_sockets_abort_from_another_thread_wakes_a_waiting_collective():
     assert 0.4 <= result["elapsed"] < 5.0, result  # woken by abort(), not by the 30 s deadline
 
 
+class AbortedBetweenReadAndPoll(SocketCommunicator):
+    """Its abort() lands, as one from another thread can, after the wait loop read its sockets
+    and before it polls them (a resize or recovery aborts routers mid-step): the sockets it is
+    about to poll are closed by then."""
+
+    def _read(self, pending, peer, tag):
+        super()._read(pending, peer, tag)
+        if not getattr(self, "aborted_once", False):
+            self.aborted_once = True
+            self.abort()
+
+
+def abort_between_read_and_poll(rank: int, world_size: int, port: int) -> dict:
+    """Rank program: rank 0's wait is aborted inside its loop; it must raise CommClosedError (a
+    ValueError from polling a closed socket failed a step's requests instead of retrying it)."""
+    cls = AbortedBetweenReadAndPoll if rank == 0 else SocketCommunicator
+    comm = cls.create(rank, world_size, HOST, port, 30.0, group_name="abort-in-loop")
+    comm.aborted_once = True  # not during the warm-up
+    comm.barrier(tag="warm up")
+    if rank == 1:
+        time.sleep(2.0)
+        return {}
+    comm.aborted_once = False
+    try:
+        comm.exchange_counts(torch.ones(world_size, dtype=torch.int64), tag="layer 0 dispatch")
+        return {"error": None}
+    except Exception as error:  # any type: the test checks which
+        return {"error": type(error).__name__, "message": str(error)}
+
+
+def test_sockets_abort_inside_the_wait_loop_is_comm_closed():
+    result = values(run_ranks(abort_between_read_and_poll, 2, (free_port(),), timeout_s=60))[0]
+    assert result["error"] == "CommClosedError" and "'layer 0 dispatch'" in result["message"], result
+
+
 def test_sockets_refuse_a_connection_that_does_not_know_the_group():
     port = free_port()
     outcome: dict = {}
