@@ -47,9 +47,11 @@ from raymoe.moe.balancer import BalancerAlgorithm
 from raymoe.moe.capacity import OverflowPolicy
 
 if TYPE_CHECKING:
+    from raymoe.moe.autoscale_policy import AutoscalePolicy
     from raymoe.moe.placement import PlacementTable
 
 __all__ = [
+    "AutoscaleSection",
     "CapacitySection",
     "ClusterConfig",
     "CommBackend",
@@ -215,6 +217,32 @@ class CpuSection(_Section):
     allocator: Allocator = Allocator.JEMALLOC  # the actors' malloc (engine/host_memory.py)
 
 
+class AutoscaleSection(_Section):
+    """Load-driven sizing of the expert pool (moe/autoscale_policy.py; absent: off).
+
+    ``target_rows_per_worker``: expert rows (token x expert assignments) each worker runs per
+    MoE layer per router step, averaged over ``window_s``; the pool grows when its workers run
+    more than ``target * (1 + band)`` and shrinks when they run fewer than ``target * (1 - band)``,
+    to ``ceil(rows / target)`` workers within ``[min_workers, max_workers]``, at most once per
+    ``cooldown_s``. ``min_routers``/``max_routers`` may only repeat ``routers`` for now."""
+
+    min_workers: Positive
+    max_workers: Positive
+    target_rows_per_worker: PositiveFloat
+    band: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.25
+    cooldown_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    window_s: PositiveFloat = 10.0
+    interval_s: PositiveFloat = 2.0
+    min_routers: Positive | None = None
+    max_routers: Positive | None = None
+
+    def policy(self) -> "AutoscalePolicy":
+        from raymoe.moe.autoscale_policy import AutoscalePolicy
+
+        return AutoscalePolicy(self.min_workers, self.max_workers, self.target_rows_per_worker, self.band,
+                               self.cooldown_s, self.window_s, self.interval_s)
+
+
 class ClusterConfig(_Section):
     model: str  # checkpoint directory; absolute after loading
     device: Device = Device.AUTO
@@ -228,6 +256,7 @@ class ClusterConfig(_Section):
     engine: EngineSection = EngineSection()
     serve: ServeSection = ServeSection()
     cpu: CpuSection = CpuSection()
+    autoscale: AutoscaleSection | None = None  # absent: the pool keeps its size (raymoe scale still resizes)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain builtins (enums as their values); ``parse_cluster_config`` reads it back.
@@ -340,6 +369,10 @@ def _cross_field_problem(config: ClusterConfig) -> str | None:
             f"comm.backend: {backend} moves CPU tensors only, so it cannot serve device: cuda; "
             f"set comm.backend: nccl (or auto) for GPUs, or device: cpu to keep {backend}"
         )
+    if config.autoscale is not None:
+        problem = _autoscale_problem(config)
+        if problem:
+            return problem
     if is_explicit and placement.experts is None:
         return "placement.experts: required when placement.strategy is explicit"
     if not is_explicit:
@@ -366,6 +399,23 @@ def _cross_field_problem(config: ClusterConfig) -> str | None:
             repeated = sorted({e for e in experts if experts.count(e) > 1})
             if repeated:
                 return f"{path}.{worker}: experts listed more than once: {repeated}"
+    return None
+
+
+def _autoscale_problem(config: ClusterConfig) -> str | None:
+    auto = config.autoscale
+    for name in ("min_routers", "max_routers"):
+        value = getattr(auto, name)
+        if value is not None and value != config.routers:
+            return (f"autoscale.{name}: router autoscaling is not supported yet (only the expert pool is "
+                    f"autoscaled); set it to routers ({config.routers}) or leave it out; got {value}")
+    if auto.max_workers < auto.min_workers:
+        return (f"autoscale.max_workers: expected >= autoscale.min_workers ({auto.min_workers}); "
+                f"got {auto.max_workers}")
+    if not auto.min_workers <= config.expert_workers <= auto.max_workers:
+        return (f"expert_workers: the deployment starts with {config.expert_workers} workers, outside autoscale's "
+                f"[{auto.min_workers}, {auto.max_workers}]; set expert_workers within autoscale.min_workers.."
+                f"max_workers")
     return None
 
 

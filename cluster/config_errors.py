@@ -39,7 +39,8 @@ def describe_validation_error(
 
     unknown = re.match(r"Object contains unknown field `(.+)`", text)
     if unknown:
-        known = ", ".join(_struct_fields(field_type)) if _is_struct(field_type) else ""
+        section = _strip(field_type)  # (an optional section too)
+        known = ", ".join(_struct_fields(section)) if _is_struct(section) else ""
         allowed = f"; allowed fields: {known}" if known else ""
         return f"{_join(path, unknown[1])}: unknown field{allowed}"
     missing = re.match(r"Object missing required field `(.+)`", text)
@@ -82,8 +83,11 @@ def _bounds(metas: list[msgspec.Meta]) -> str:
     ge = next((m.ge for m in metas if m.ge is not None), None)
     le = next((m.le for m in metas if m.le is not None), None)
     gt = next((m.gt for m in metas if m.gt is not None), None)
+    lt = next((m.lt for m in metas if m.lt is not None), None)
     if ge is not None and le is not None:
         return f" in {ge}..{le}"
+    if ge is not None and lt is not None:
+        return f" >= {ge} and < {lt}"
     if ge is not None:
         return f" >= {ge}"
     if gt is not None:
