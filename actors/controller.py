@@ -41,6 +41,9 @@ import ray
 from raymoe.actors.recovery import (CALL_TIMEOUT_S, LOST, PING_TIMEOUT_S, RECOVERY_FAULT_POINTS, Recovery, _describe,
                                     _gather)
 from raymoe.actors.resize import RESIZE_FAULT_POINTS, Resize
+from raymoe.actors.autoscaler import Autoscaler
+from raymoe.actors.self_heal import SelfHeal
+from raymoe.moe.autoscale_policy import AutoscalePolicy
 from raymoe.moe.placement import PlacementTable
 from raymoe.moe.rebalance_policy import RebalanceDecision, RebalancePolicy, decide, placement_balancedness
 
@@ -73,10 +76,11 @@ class MigrationFailed(RuntimeError):
     """A rebalance's migration failed and a worker was lost in it: its cleanup is left to recovery."""
 
 
-class Controller(Recovery, Resize):
+class Controller(Recovery, Resize, Autoscaler, SelfHeal):
     def __init__(self, routers: list[Any], workers: list[Any], placement: dict[str, Any], policy: RebalancePolicy,
                  window_steps: int, interval_steps: int, poll_interval_s: float, enabled: bool,
-                 groups: dict[str, Any] | None = None, worker_spec: Any = None):
+                 groups: dict[str, Any] | None = None, worker_spec: Any = None,
+                 autoscale: AutoscalePolicy | None = None):
         self._init_recovery()  # generation, recoveries, degraded, ... (actors/recovery.py)
         self._init_resize(worker_spec)  # how to start workers, the resize lock (actors/resize.py)
         self.routers = routers
@@ -122,6 +126,8 @@ class Controller(Recovery, Resize):
             self._join_migration_group()
         self._thread = threading.Thread(target=self._loop, name="raymoe-controller", daemon=True)
         self._thread.start()
+        self.counters["workers_replaced"] = 0  # dead workers given a new actor (actors/self_heal.py)
+        self._init_autoscale(autoscale)  # the autoscale: policy's thread, if any (actors/autoscaler.py)
 
     # ---- telemetry ----------------------------------------------------------------------
     def poll(self) -> int:
@@ -437,6 +443,7 @@ class Controller(Recovery, Resize):
                 "rebalance": self.last_decision.rebalance, "reason": self.last_decision.reason,
                 "balancedness": self.last_decision.current_balancedness,
                 "predicted": self.last_decision.predicted_balancedness},
+            "autoscale": self.autoscale_status(),  # None: off (actors/autoscaler.py)
         }
 
     def _router_infos(self) -> list[dict[str, Any]]:

@@ -215,7 +215,9 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
                 self._reload(index, self.placement)
             if lost and self.degraded is None and self._covered_without(lost):
                 return self._serve_on_replicas(lost, restarted, started)
-            # Step 3: wait for them, then give them the placement in service.
+            # Step 3: wait for them, then give them the placement in service (a worker Ray
+            # will not restart gets a new actor: actors/self_heal.py).
+            self._replace_dead_workers(lost)
             for index in lost:
                 self.worker_pids[index] = self._wait_restarted(self.workers[index], self._restart_timeout_s())
                 self._reload(index, self.placement)
@@ -365,6 +367,7 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
         the replicas (the degraded placement, groups over the survivors) before it is raised,
         so requests wait a moment but are never lost."""
         lost = self.degraded["lost"]
+        self._replace_dead_workers(lost)  # one Ray will not restart gets a new actor (actors/self_heal.py)
         pids = {index: self._wait_restarted(self.workers[index], self._restart_timeout_s()) for index in lost}
         with self._recover_lock:
             if self.degraded is None:

@@ -168,3 +168,27 @@ class EngineCollector:
                            controller["migration_seconds"])
         yield self._family(counter, "migration_bytes", "Expert weight bytes copied by rebalances",
                            controller["bytes_moved"])
+        if controller.get("autoscale"):
+            yield from self._autoscale_families(controller["autoscale"])
+
+    def _autoscale_families(self, auto: dict[str, Any]) -> Iterator[Metric]:
+        """The autoscaler's decisions (actors/autoscaler.py): present only when it is on."""
+        gauge = GaugeMetricFamily
+        yield self._family(gauge, "autoscale_desired_workers", "Expert workers the autoscaling policy wants",
+                           auto["desired_workers"])
+        yield self._family(gauge, "autoscale_actual_workers", "Expert workers serving now", auto["actual_workers"])
+        yield self._family(gauge, "autoscale_min_workers", "autoscale.min_workers", auto["min_workers"])
+        yield self._family(gauge, "autoscale_max_workers", "autoscale.max_workers", auto["max_workers"])
+        rows = auto.get("rows_per_step")
+        per_worker = rows / auto["actual_workers"] if rows is not None and auto["actual_workers"] else 0.0
+        yield self._family(gauge, "autoscale_rows_per_worker", "Expert rows each worker ran per MoE layer and "
+                           "router step over the policy's window, at the last decision", per_worker)
+        yield self._family(gauge, "autoscale_target_rows_per_worker", "autoscale.target_rows_per_worker",
+                           auto["target_rows_per_worker"])
+        yield self._family(gauge, "autoscale_last_decision_timestamp_seconds", "Unix time of the last decision "
+                           "(0: none yet)", auto["last_decision_time"] or 0.0)
+        decisions = CounterMetricFamily(PREFIX + "autoscale_decisions", "Resizes the autoscaling policy decided on, "
+                                        "by direction (up: grow, down: shrink)", labels=["model_name", "direction"])
+        for direction in ("up", "down"):
+            decisions.add_metric([self.model_name, direction], float(auto["decisions"].get(direction, 0)))
+        yield decisions

@@ -301,7 +301,8 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
         namespace=namespace,
     ).remote(ActorsByName(routers, [f"{name}-router-{r}" for r in range(config.routers)], namespace), worker_refs,
              placement.to_dict(), policy, balancer.window_steps, balancer.interval_steps,
-             balancer.poll_interval_s, balancer.enabled, groups, spec)
+             balancer.poll_interval_s, balancer.enabled, groups, spec,
+             autoscale=config.autoscale.policy() if config.autoscale is not None else None)
     ray.get(controller.status.remote())  # up and reading telemetry before the first request
     ray.get([router.set_supervisor.remote(controller) for router in routers])
     return Deployment(config, model_config, placement, routers, workers, controller, group, worker_nodes, name,

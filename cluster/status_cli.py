@@ -6,6 +6,7 @@ import argparse
 import json
 import socket
 import sys
+import time
 from typing import Any
 
 CONTROLLER_NAME = "raymoe-controller"
@@ -196,6 +197,14 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"{worker:>6} {status['worker2node'][worker]:>4} {load:>10.0f}   {experts}")
     if status.get("actors"):
         lines += ["", *format_actors(status["actors"])]
+    auto = status.get("autoscale")
+    if auto:
+        when = auto.get("last_decision_time")
+        ago = f", {time.time() - when:.0f} s ago" if when else ""
+        lines.append(f"\nautoscale: {auto['actual_workers']} workers, desired {auto['desired_workers']} "
+                     f"(limits {auto['min_workers']}..{auto['max_workers']}, target {auto['target_rows_per_worker']:g} "
+                     f"rows per worker; decisions up {auto['decisions']['up']}, down {auto['decisions']['down']})")
+        lines.append(f"  last decision{ago}: {auto['reason']}")
     resize = status.get("last_resize")
     if resize:
         if resize.get("resized"):

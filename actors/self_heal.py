@@ -1,0 +1,70 @@
+"""Self-healing to the target size (issue 31 item 4): a worker Ray will not bring back gets a
+new actor in its place.
+
+Recovery (actors/recovery.py) serves on the survivors' replicas when a worker is lost and
+re-includes the worker once Ray has restarted it. A worker Ray has given up on (its actor is
+DEAD: killed for good, out of restarts, or its node gone with nowhere to restart it) never
+comes back, and the deployment would stay on the replicas, one worker short, for good.
+
+:class:`SelfHeal` (mixed into the controller) replaces such a worker before the re-include
+waits for it: a new actor under the same name and index, in a placement-group bundle of its
+own (the resources deploy gives workers, actors/worker_spec.py; Ray places it where there is
+room, or its autoscaler adds a node), started with the placement in service, whose slots of
+that worker are empty: it reads no weights at start. The re-include then does what it does
+for a restarted worker: it loads the experts the lost worker held (the full placement's rows
+of that worker) into the new one and rebuilds the groups with it, so the deployment is back
+at its size, serving the placement it had before the loss.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raymoe.actors.rank_watch import actor_table_entry
+from raymoe.actors.worker_spec import start_worker
+
+# How long a replacement waits for Ray to place its bundle (the autoscaler may add a node).
+REPLACE_READY_TIMEOUT_S = 60.0
+
+
+class SelfHeal:
+    """The controller's replacement of dead workers (module docstring): mixed into ``Controller``."""
+
+    def _replace_dead_workers(self, lost: list[int]) -> list[int]:
+        """Start a new actor for each of ``lost`` whose actor Ray reports DEAD; returns those
+        replaced. Raises (the re-include counts it and tries again later) when Ray cannot place
+        one within ``REPLACE_READY_TIMEOUT_S``."""
+        replaced = []
+        for index in lost:
+            if actor_table_entry(self.workers[index]._actor_id.hex()).get("State") != "DEAD":
+                continue  # alive or restarting: Ray brings it back
+            if self.worker_spec is None:
+                raise RuntimeError(f"worker {index} is dead for good and this controller has no worker recipe "
+                                   "(it was not started by deploy) to start another")
+            self.workers[index] = self._start_replacement(index)
+            self._count("workers_replaced")
+            replaced.append(index)
+        return replaced
+
+    def _start_replacement(self, index: int) -> Any:
+        spec = self.worker_spec
+        bundles = placement_group([spec.bundle()], strategy="PACK", lifetime="detached",
+                                  name=f"{spec.name}-resize-replace-{index}-{time.time_ns()}")
+        ready, _ = ray.wait([bundles.ready()], timeout=REPLACE_READY_TIMEOUT_S)
+        if not ready:
+            remove_placement_group(bundles)
+            raise RuntimeError(
+                f"worker {index} is dead for good and Ray could not place a new one ({spec.bundle()}) within "
+                f"{REPLACE_READY_TIMEOUT_S:g} s; available now: {ray.available_resources()} (add a node, or let "
+                "Ray's autoscaler add one)")
+        # The placement in service has that worker's slots empty (the survivors serve on replicas):
+        # the new actor reads no weights at start; the re-include loads the lost worker's experts.
+        actor = start_worker(spec, index, self.placement.to_dict(), PlacementGroupSchedulingStrategy(bundles, 0),
+                             detached=True)
+        self.resize_groups.append((bundles, {index}))  # removed once a shrink takes this index away
+        return actor

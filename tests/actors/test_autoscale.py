@@ -1,0 +1,144 @@
+"""The expert pool sized by load (issue 31 items 2 and 4, actors/autoscaler.py, actors/self_heal.py)
+on a real Ray cluster: the policy grows the pool under load and shrinks it when idle, with
+outputs equal to the in-process engine's throughout and no request lost; its decisions are in
+status and in /metrics; a worker Ray will not restart is replaced and the pool is back at its
+size."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+
+from ep_helpers import GREEDY, cluster_config, prompts, reference_engine
+from raymoe.actors.serving_metrics import ServingMetrics
+from raymoe.cluster.deploy import deploy
+from raymoe.cluster.status_cli import format_status
+
+# One worker holds every expert (8 slots), so every size from 1 up fits; 2 routers of up to 8
+# sequences each hand the pool ~16 rows a layer per step: 4 workers at a target of 4 (capped at
+# 3); idle, 0 rows: 1 worker. Short window, interval and cooldown keep the test short.
+AUTOSCALE = {"min_workers": 1, "max_workers": 3, "target_rows_per_worker": 4, "band": 0.25, "cooldown_s": 1.0,
+             "window_s": 1.0, "interval_s": 0.25}
+CONFIG = dict(expert_workers=1, routers=2, comm={"backend": "sockets", "timeout_s": 3.0},
+              balancer={"enabled": True, "interval_steps": 10**9, "poll_interval_s": 0.2},
+              engine={"max_num_seqs": 8})
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_mixtral_dir):
+    batch = prompts(32, seed=7)
+    return batch, [o.output_token_ids for o in reference_engine(tiny_mixtral_dir).generate(batch, GREEDY)]
+
+
+def wait_for(condition, what: str, deployment, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = deployment.status()
+        if condition(status):
+            return status
+        assert time.monotonic() < deadline, f"{what} within {timeout_s:g} s; status: {status.get('autoscale')}, " \
+                                            f"workers {status['workers']}, last error {status.get('last_rebalance')}"
+        time.sleep(0.1)
+
+
+def test_grows_under_load_and_shrinks_when_idle_with_equal_outputs(ray_session, tiny_mixtral_dir, expected):
+    batch, want = expected
+    deployment = deploy(cluster_config(tiny_mixtral_dir, **CONFIG, autoscale=AUTOSCALE), name="autoscale")
+    try:
+        status = deployment.status()
+        assert status["workers"] == 1 and status["autoscale"]["desired_workers"] == 1
+        # Load: batch after batch until the pool has grown (bounded), each equal to the reference.
+        stop, results, errors = threading.Event(), [], []
+
+        def load() -> None:
+            try:
+                for _ in range(200):
+                    if stop.is_set():
+                        return
+                    results.append([o.output_token_ids for o in deployment.generate(batch, GREEDY)])
+            except Exception as error:  # re-raised below
+                errors.append(error)
+
+        runner = threading.Thread(target=load)
+        runner.start()
+        try:
+            grown = wait_for(lambda s: s["workers"] == 3, "the pool never grew to 3 workers", deployment)
+        finally:
+            time.sleep(1.0)  # a little load at the new size too
+            stop.set()
+            runner.join(timeout=120)
+        assert not runner.is_alive() and not errors, errors
+        assert results and all(outputs == want for outputs in results), "outputs differ from the reference"
+        auto = grown["autoscale"]
+        assert auto["decisions"]["up"] >= 1 and auto["actual_workers"] == 3, auto
+        assert auto["last_resize"]["resized"] and auto["last_resize"]["workers"] == 3, auto
+        # Idle: the policy shrinks the pool to its minimum.
+        idle = wait_for(lambda s: s["workers"] == 1, "the idle pool never shrank to 1 worker", deployment)
+        auto = idle["autoscale"]
+        assert auto["decisions"]["down"] >= 1 and auto["desired_workers"] == 1, auto
+        assert "idle: no router step" in auto["reason"] or "hold at autoscale.min_workers" in auto["reason"], auto
+        assert idle["counters"]["resize_rollbacks"] == 0
+        # ...and serves on, outputs unchanged.
+        assert [o.output_token_ids for o in deployment.generate(batch[:8], GREEDY)] == want[:8]
+        # Visible in `raymoe status` and in /metrics (the ingress renders the controller's status).
+        text = format_status(idle)
+        assert "autoscale: 1 workers, desired 1 (limits 1..3, target 4 rows per worker; decisions up " in text, text
+        assert "last decision" in text and auto["reason"] in text
+        metrics = ServingMetrics(idle["slots_per_worker"], "m").render(deployment.telemetry(), idle).decode()
+        samples = {(s.name, s.labels.get("direction")): s.value
+                   for family in text_string_to_metric_families(metrics) for s in family.samples}
+        assert samples[("raymoe:autoscale_desired_workers", None)] == 1
+        assert samples[("raymoe:autoscale_actual_workers", None)] == 1
+        assert samples[("raymoe:autoscale_decisions_total", "up")] == auto["decisions"]["up"] >= 1
+        assert samples[("raymoe:autoscale_decisions_total", "down")] == auto["decisions"]["down"] >= 1
+        assert samples[("raymoe:autoscale_last_decision_timestamp_seconds", None)] == pytest.approx(
+            auto["last_decision_time"])
+    finally:
+        deployment.shutdown()
+
+
+def test_a_worker_ray_will_not_restart_is_replaced_and_the_pool_is_whole_again(ray_session, tiny_mixtral_dir,
+                                                                              expected):
+    batch, want = expected
+    config = dict(CONFIG, balancer={"enabled": False, "poll_interval_s": 0.2})
+    deployment = deploy(cluster_config(tiny_mixtral_dir, **config), name="heal")
+    try:
+        assert deployment.resize(2)["resized"]  # worker 1 gets a copy of every expert: worker 0 covers it
+        lost = deployment.workers[1]
+        old_pid = ray.get(lost.info.remote())["pid"]
+        result: dict = {}
+
+        def run() -> None:
+            try:
+                result["outputs"] = deployment.generate(batch, GREEDY)
+            except Exception as error:
+                result["error"] = error
+
+        runner = threading.Thread(target=run)
+        runner.start()
+        time.sleep(0.3)
+        ray.kill(lost, no_restart=True)  # Ray gives up on it: it never comes back by itself
+        runner.join(timeout=180)
+        assert not runner.is_alive(), "requests did not finish after the worker was lost"
+        assert "error" not in result, result.get("error")
+        assert [o.output_token_ids for o in result["outputs"]] == want  # none lost, outputs identical
+        status = wait_for(lambda s: s["degraded"] is None and s["counters"]["workers_replaced"] == 1
+                          and s["counters"]["reincludes"] >= 1, "the lost worker was never replaced", deployment)
+        assert status["workers"] == 2
+        replacement = ray.get_actor("heal-worker-1", namespace="raymoe")
+        info = ray.get(replacement.info.remote())
+        assert info["pid"] != old_pid
+        assert all(all(e >= 0 for e in layer) for layer in info["experts"])  # it holds the lost one's experts
+        assert [row[8:] for row in status["placement"]] == [list(layer) for layer in info["experts"]]
+        # tokens run on it again
+        deployment.workers = [deployment.workers[0], replacement]
+        again = deployment.generate(batch[:16], GREEDY)
+        assert [o.output_token_ids for o in again] == want[:16]
+        rows = [t["worker_rows"] for t in deployment.telemetry()]
+        assert sum(r[1] for r in rows) > 0, rows
+    finally:
+        deployment.shutdown()
