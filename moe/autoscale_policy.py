@@ -106,17 +106,17 @@ def decide(samples: Sequence[LoadSample], current: int, last_resize_time: float 
     def decision(reason: str, rows: float | None = None, desired: int = current) -> AutoscaleDecision:
         return AutoscaleDecision(desired, current, reason, rows, now)
 
+    if last_resize_time is not None and now - last_resize_time < policy.cooldown_s:
+        return decision(f"cooling down: last resize {now - last_resize_time:.1f} s ago, cooldown "
+                        f"{policy.cooldown_s:g} s")
     if current < policy.min_workers or current > policy.max_workers:  # e.g. an operator resized by hand
         desired = min(policy.max_workers, max(policy.min_workers, current))
         return decision(f"{current} workers is outside [{policy.min_workers}, {policy.max_workers}] "
-                    f"(autoscale.min_workers/max_workers): back to {desired}", desired=desired)
-    if last_resize_time is not None and now - last_resize_time < policy.cooldown_s:
-        return decision(f"cooling down: last resize {now - last_resize_time:.1f} s ago, cooldown "
-                    f"{policy.cooldown_s:g} s")
+                        f"(autoscale.min_workers/max_workers): back to {desired}", desired=desired)
     start = now - policy.window_s
     if last_resize_time is not None and last_resize_time > start:
         return decision(f"collecting telemetry at {current} workers: {now - last_resize_time:.1f} of "
-                    f"{policy.window_s:g} s since the last resize")
+                        f"{policy.window_s:g} s since the last resize")
     window = [s for s in samples if start < s.time <= now]
     steps = sum(s.steps for s in window)
     rows = sum(s.rows for s in window) / steps if steps else 0.0

@@ -61,6 +61,8 @@ def test_limits_are_named_when_they_hold_it():
 def test_a_size_outside_the_limits_goes_back_inside_them():
     d = decide(steady(100.0, now=100), current=6, last_resize_time=None, now=100, policy=POLICY)
     assert d.desired == 4 and "outside [1, 4]" in d.reason, d
+    d = decide(steady(100.0, now=100), current=6, last_resize_time=90.0, now=100, policy=POLICY)
+    assert d.direction == "hold" and d.reason.startswith("cooling down"), d  # not at once after an operator's resize
 
 
 def test_cooldown_and_a_window_from_before_the_last_resize_hold():
