@@ -120,7 +120,8 @@ class Autoscaler:
         LOG.info("autoscale: %d -> %d workers: %s", current, decision.desired, decision.reason)
         report = self.resize(decision.desired)
         self.autoscale_last_resize = {key: report.get(key) for key in (
-            "resized", "workers_before", "workers", "seconds", "pause_s", "copies", "bytes_copied", "error", "time")}
+            "resized", "workers_before", "workers", "seconds", "pause_s", "copies", "bytes_copied", "bytes_all_experts",
+            "error", "time")}
         if report.get("resized"):
             LOG.info("autoscale: now %d workers (%.2f s, paused %.3f s, %d expert copies)", report["workers"],
                      report["seconds"], report["pause_s"], report["copies"])

@@ -22,7 +22,7 @@ from raymoe.cluster.status_cli import format_status
 # sequences each hand the pool ~16 rows a layer per step: 4 workers at a target of 4 (capped at
 # 3); idle, 0 rows: 1 worker. Short window, interval and cooldown keep the test short.
 AUTOSCALE = {"min_workers": 1, "max_workers": 3, "target_rows_per_worker": 4, "band": 0.25, "cooldown_s": 1.0,
-             "window_s": 1.0, "interval_s": 0.25}
+             "window_s": 2.0, "interval_s": 0.25}
 CONFIG = dict(expert_workers=1, routers=2, comm={"backend": "sockets", "timeout_s": 3.0},
               balancer={"enabled": True, "interval_steps": 10**9, "poll_interval_s": 0.2},
               engine={"max_num_seqs": 8})
