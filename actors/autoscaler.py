@@ -21,6 +21,7 @@ the last resize it asked for are in ``status()["autoscale"]`` (``raymoe status``
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -49,6 +50,12 @@ class Autoscaler:
         self._autoscale_thread: threading.Thread | None = None
         if policy is None:
             return
+        if not LOG.handlers:  # the decisions are INFO lines in the controller's log (Ray's worker stderr)
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+            LOG.addHandler(handler)
+            LOG.setLevel(logging.INFO)
+            LOG.propagate = False
         # The experts must fit: never below the fewest workers whose slots hold every expert.
         floor = min_workers(self.placement.num_experts, self.placement.slots_per_worker)
         if policy.min_workers < floor:
@@ -95,7 +102,7 @@ class Autoscaler:
             try:
                 self.autoscale_step()
             except Exception as error:  # keep deciding; the last error is in status()
-                LOG.warning("autoscale: %s: %s", type(error).__name__, error)
+                LOG.warning("%s: %s", type(error).__name__, error)
                 self.last = {"error": f"autoscale: {type(error).__name__}: {error}", "time": time.time()}
 
     def _last_resize_time(self) -> float | None:
@@ -113,20 +120,20 @@ class Autoscaler:
         if decision.desired == current:
             return decision
         if self.degraded is not None or self.resizing is not None:
-            LOG.info("autoscale: wants %d workers (%s) but waits: %s", decision.desired, decision.reason,
+            LOG.info("wants %d workers (%s) but waits: %s", decision.desired, decision.reason,
                      "a recovery is running" if self.degraded is not None else "a resize is running")
             return decision
         self.autoscale_decisions[decision.direction] += 1
-        LOG.info("autoscale: %d -> %d workers: %s", current, decision.desired, decision.reason)
+        LOG.info("%d -> %d workers: %s", current, decision.desired, decision.reason)
         report = self.resize(decision.desired)
         self.autoscale_last_resize = {key: report.get(key) for key in (
             "resized", "workers_before", "workers", "seconds", "pause_s", "copies", "bytes_copied", "bytes_all_experts",
             "error", "time")}
         if report.get("resized"):
-            LOG.info("autoscale: now %d workers (%.2f s, paused %.3f s, %d expert copies)", report["workers"],
+            LOG.info("now %d workers (%.2f s, paused %.3f s, %d expert copies)", report["workers"],
                      report["seconds"], report["pause_s"], report["copies"])
         else:
-            LOG.warning("autoscale: resizing to %d workers did not happen: %s", decision.desired,
+            LOG.warning("resizing to %d workers did not happen: %s", decision.desired,
                         report.get("error") or report.get("reason"))
         return decision
 
