@@ -45,6 +45,7 @@ class Autoscaler:
         self.autoscale_decision: AutoscaleDecision | None = None
         self.autoscale_decisions = {"up": 0, "down": 0}
         self.autoscale_last_resize: dict[str, Any] | None = None
+        self._autoscale_waits: str | None = None  # why a wanted resize waits (logged once)
         self._autoscale_samples: deque[LoadSample] = deque()
         self._autoscale_cursors: dict[int, int] = {}
         self._autoscale_thread: threading.Thread | None = None
@@ -106,9 +107,12 @@ class Autoscaler:
                 self.last = {"error": f"autoscale: {type(error).__name__}: {error}", "time": time.time()}
 
     def _last_resize_time(self) -> float | None:
-        """When the pool last changed size (by anyone); None: never since the controller started."""
-        done = [r["time"] for r in self.resizes if r.get("resized")]
-        return max(done) if done else None
+        """When the pool last changed size (by anyone), or the autoscaler last tried to (a
+        refused or rolled-back try waits out the cooldown too); None: neither yet."""
+        times = [r["time"] for r in self.resizes if r.get("resized")]
+        if self.autoscale_last_resize is not None:
+            times.append(self.autoscale_last_resize["time"])
+        return max(times) if times else None
 
     def autoscale_step(self) -> AutoscaleDecision:
         """Read the telemetry, decide, and resize if the decision says so; returns the decision."""
@@ -120,15 +124,19 @@ class Autoscaler:
         if decision.desired == current:
             return decision
         if self.degraded is not None or self.resizing is not None:
-            LOG.info("wants %d workers (%s) but waits: %s", decision.desired, decision.reason,
-                     "a recovery is running" if self.degraded is not None else "a resize is running")
+            waits = "a recovery is running" if self.degraded is not None else "a resize is running"
+            if self._autoscale_waits != waits:  # said once, not every interval
+                LOG.info("wants %d workers (%s) but waits: %s", decision.desired, decision.reason, waits)
+            self._autoscale_waits = waits
             return decision
+        self._autoscale_waits = None
         self.autoscale_decisions[decision.direction] += 1
         LOG.info("%d -> %d workers: %s", current, decision.desired, decision.reason)
         report = self.resize(decision.desired)
         self.autoscale_last_resize = {key: report.get(key) for key in (
             "resized", "workers_before", "workers", "seconds", "pause_s", "copies", "bytes_copied", "bytes_all_experts",
             "error", "time")}
+        self.autoscale_last_resize["time"] = report.get("time") or time.time()
         if report.get("resized"):
             LOG.info("now %d workers (%.2f s, paused %.3f s, %d expert copies)", report["workers"],
                      report["seconds"], report["pause_s"], report["copies"])
