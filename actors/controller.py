@@ -127,6 +127,7 @@ class Controller(Recovery, Resize, Autoscaler, SelfHeal):
         self._thread = threading.Thread(target=self._loop, name="raymoe-controller", daemon=True)
         self._thread.start()
         self.counters["workers_replaced"] = 0  # dead workers given a new actor (actors/self_heal.py)
+        self._init_self_heal()
         self._init_autoscale(autoscale)  # the autoscale: policy's thread, if any (actors/autoscaler.py)
 
     # ---- telemetry ----------------------------------------------------------------------
@@ -444,6 +445,7 @@ class Controller(Recovery, Resize, Autoscaler, SelfHeal):
                 "balancedness": self.last_decision.current_balancedness,
                 "predicted": self.last_decision.predicted_balancedness},
             "autoscale": self.autoscale_status(),  # None: off (actors/autoscaler.py)
+            "heals": self.heals[-5:],  # replaced workers seeded by copies (actors/self_heal.py)
         }
 
     def _router_infos(self) -> list[dict[str, Any]]:

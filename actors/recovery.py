@@ -375,18 +375,22 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
             started = time.perf_counter()
             current = self.placement
             restored = self._new_table(self.degraded["rows"])
+            # a replaced worker's experts are copied from the survivors (actors/self_heal.py)
+            seeded = self._seed_replacements(lost, current, restored)
             for index in lost:
                 self.worker_pids[index] = pids[index]
                 self._fault("reinclude_load")
-                self._reload(index, restored)
+                if index not in seeded:
+                    self._reload(index, restored)
             survivors = [w for w in range(len(self.workers)) if w not in lost]
             try:
-                self._switch_groups(restored, current.epoch, survivors, list(range(len(self.workers))),
+                self._switch_groups(restored, current.epoch, survivors + seeded, list(range(len(self.workers))),
                                     fault_point="reinclude_join")
             except Exception:
                 self._roll_back(restored, survivors)
                 raise
-            ray.get([self.workers[w].retire.remote(restored.epoch) for w in survivors], timeout=CALL_TIMEOUT_S)
+            ray.get([self.workers[w].retire.remote(restored.epoch) for w in survivors + seeded],
+                    timeout=CALL_TIMEOUT_S)
             self.placement = restored
             self.degraded = None
             self._count("reincludes")

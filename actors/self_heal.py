@@ -10,10 +10,14 @@ comes back, and the deployment would stay on the replicas, one worker short, for
 waits for it: a new actor under the same name and index, in a placement-group bundle of its
 own (the resources deploy gives workers, actors/worker_spec.py; Ray places it where there is
 room, or its autoscaler adds a node), started with the placement in service, whose slots of
-that worker are empty: it reads no weights at start. The re-include then does what it does
-for a restarted worker: it loads the experts the lost worker held (the full placement's rows
-of that worker) into the new one and rebuilds the groups with it, so the deployment is back
-at its size, serving the placement it had before the loss.
+that worker are empty: it reads no weights at start. The re-include then seeds it with the
+experts the lost worker held (the full placement's rows of that worker), copied worker to
+worker from the survivors that serve them on replicas (moe/refill_plan.py; the grow's copies
+on the migration group, ``Resize._copy``), activates that placement on every worker and
+rebuilds the groups with it, so the deployment is back at its size, serving the placement it
+had before the loss. Where a copy cannot be made (more workers lost than replaced, a copy that
+fails: that attempt fails and the next one), the new worker loads those experts from the
+checkpoint instead, as a worker Ray restarted does.
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raymoe.actors.rank_watch import actor_table_entry
+from raymoe.actors.recovery import _describe
 from raymoe.actors.worker_spec import start_worker
+from raymoe.moe.placement import PlacementTable
+from raymoe.moe.refill_plan import plan_refill
 
 # How long a replacement waits for Ray to place its bundle (the autoscaler may add a node).
 REPLACE_READY_TIMEOUT_S = 60.0
@@ -34,6 +41,10 @@ REPLACE_READY_TIMEOUT_S = 60.0
 
 class SelfHeal:
     """The controller's replacement of dead workers (module docstring): mixed into ``Controller``."""
+
+    def _init_self_heal(self) -> None:
+        self._unseeded: set[int] = set()  # replacements not yet seeded by copies
+        self.heals: list[dict[str, Any]] = []  # each seeding by copies: workers, copies, bytes, seconds
 
     def _replace_dead_workers(self, lost: list[int]) -> list[int]:
         """Start a new actor for each of ``lost`` whose actor Ray reports DEAD; returns those
@@ -48,8 +59,32 @@ class SelfHeal:
                                    "(it was not started by deploy) to start another")
             self.workers[index] = self._start_replacement(index)
             self._count("workers_replaced")
+            self._unseeded.add(index)
             replaced.append(index)
         return replaced
+
+    def _seed_replacements(self, lost: list[int], current: PlacementTable, restored: PlacementTable) -> list[int]:
+        """Copy ``restored``'s experts into the replaced workers among ``lost`` from the
+        survivors serving ``current`` (recovery lock held); returns those seeded (they activate
+        ``restored`` like the survivors). Only when every lost worker is a new, empty one (the
+        copy collective needs every worker) and each replacement is seeded once: after a failed
+        copy (raised: the re-include tries again) they load from the checkpoint."""
+        fresh = [index for index in lost if index in self._unseeded]
+        if not fresh or len(fresh) != len(lost):
+            return []
+        self._unseeded -= set(fresh)
+        copies = plan_refill(current, restored, fresh)
+        started = time.perf_counter()
+        try:
+            self._join_migration_group()
+            moved = self._copy(list(self.workers), current.epoch, restored, copies)
+        except Exception as error:
+            self._discard(list(self.workers), restored.epoch)
+            raise RuntimeError(f"copying the lost workers' experts into their replacements {fresh} failed "
+                               f"({_describe(error)}); the next attempt loads them from the checkpoint") from None
+        self.heals.append({"time": time.time(), "workers": fresh, "copies": len(copies), "bytes_copied": moved,
+                           "copy_s": time.perf_counter() - started})
+        return fresh
 
     def _start_replacement(self, index: int) -> Any:
         spec = self.worker_spec

@@ -1,8 +1,8 @@
 """The expert pool sized by load (issue 31 items 2 and 4, actors/autoscaler.py, actors/self_heal.py)
 on a real Ray cluster: the policy grows the pool under load and shrinks it when idle, with
 outputs equal to the in-process engine's throughout and no request lost; its decisions are in
-status and in /metrics; a worker Ray will not restart is replaced and the pool is back at its
-size."""
+status and in /metrics; a worker Ray will not restart is replaced, seeded with the lost one's
+experts copied from the survivors, and the pool is back at its size."""
 
 from __future__ import annotations
 
@@ -134,6 +134,10 @@ def test_a_worker_ray_will_not_restart_is_replaced_and_the_pool_is_whole_again(r
         assert info["pid"] != old_pid
         assert all(all(e >= 0 for e in layer) for layer in info["experts"])  # it holds the lost one's experts
         assert [row[8:] for row in status["placement"]] == [list(layer) for layer in info["experts"]]
+        # ...copied from worker 0, which served them on replicas (not read from the checkpoint)
+        layers = len(status["placement"])
+        assert [(h["workers"], h["copies"]) for h in status["heals"]] == [([1], 8 * layers)], status["heals"]
+        assert status["heals"][0]["bytes_copied"] > 0
         # tokens run on it again
         deployment.workers = [deployment.workers[0], replacement]
         again = deployment.generate(batch[:16], GREEDY)
