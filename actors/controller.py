@@ -65,7 +65,8 @@ MIGRATION_CLEANUP_WAIT_S = 10.0
 COUNTERS = ("rebalance_decisions_taken", "rebalance_decisions_skipped", "rebalances_deferred", "recoveries",
             "recoveries_on_replicas", "reinclude_attempts", "reinclude_failures", "reincludes",
             "reinclude_rollbacks", "repeated_step_failures", "rebalance_failures", "migration_group_rebuilds",
-            "reload_timeouts", "resizes", "resizes_refused", "resize_rollbacks")
+            "reload_timeouts", "resizes", "resizes_refused", "resize_rollbacks", "routers_left_out",
+            "router_reincludes", "router_reinclude_failures")
 
 
 class InjectedFault(RuntimeError):
@@ -133,10 +134,11 @@ class Controller(Recovery, Resize, Autoscaler, SelfHeal):
     # ---- telemetry ----------------------------------------------------------------------
     def poll(self) -> int:
         """Pull new steps' loads from every router; returns how many steps arrived."""
-        answers = ray.get([r.expert_loads_since.remote(c) for r, c in zip(self.routers, self.cursors)],
+        indices = self.router_members()  # (a router left out of the group may be restarting)
+        answers = ray.get([self.routers[i].expert_loads_since.remote(self.cursors[i]) for i in indices],
                           timeout=CALL_TIMEOUT_S)
         arrived = 0
-        for index, (cursor, loads) in enumerate(answers):
+        for index, (cursor, loads) in zip(indices, answers):
             self.cursors[index] = cursor
             self.window.extend(loads)
             arrived += len(loads)
@@ -289,7 +291,7 @@ class Controller(Recovery, Resize, Autoscaler, SelfHeal):
         # Step 3: routers switch at their next step boundary. From here on the new epoch may
         # be in service: a failure no longer undoes it.
         progress.update(step="set_placement", routers_told=True, calls=[])
-        _gather([r.set_placement.remote(table.to_dict()) for r in self.routers])
+        _gather([r.set_placement.remote(table.to_dict()) for r in self.group_routers()])
         # Step 4: no step can use the old epoch any more: free its rows.
         progress["step"] = "retire"
         _gather([w.retire.remote(table.epoch) for w in workers])
@@ -432,6 +434,7 @@ class Controller(Recovery, Resize, Autoscaler, SelfHeal):
             "last_rebalance": self.last,
             "recoveries": self.recoveries,
             "counters": dict(self.counters),
+            "routers_left_out": sorted(self.routers_out),  # lost, back in once Ray restarted them
             "degraded": None if degraded is None else {key: value for key, value in degraded.items() if key != "rows"},
             "routers": self._router_infos(),
             # the live size (a resize changes it; actors/resize.py)

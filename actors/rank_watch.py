@@ -20,8 +20,9 @@ are compared across machines). Per rank, one of:
   fails, and the exchange's own deadline and recovery handle a peer that stops answering there);
 - ``wedged``: Ray's actor table says ALIVE (this incarnation for longer than the deadline) and a
   probe has had no answer for ``WEDGE_FRACTION`` of ``comm.timeout_s``. The rank is killed at once
-  (``ray.kill``, Ray restarts it: ``max_restarts=-1``), so it cannot come back half-way, and from
-  there recovery treats it as it treats a dead one: a router's requests move to a live router
+  (``ray.kill``, Ray restarts it: ``max_restarts=-1``), so it cannot come back half-way, and
+  recovery starts at once (the other ranks need not wait out their exchange deadline), treating
+  it as a dead one: a router's requests move to a live router
   (actors/router_relay.py), a worker's experts are served from replicas or reloaded;
 - ``dead``: Ray reports it dead or restarting, or a probe failed with an actor error.
 
@@ -230,6 +231,24 @@ class RankWatch:
             self.wedged.append({"rank": record.name, "pid": record.pid, "reason": record.reason,
                                 "silent_s": round(silent, 3), "time": time.time()})
             del self.wedged[:-WEDGED_KEPT]
+        # Recovery now, not when the others' exchange deadline passes (a transport such as gloo
+        # does not see the killed peer go): it leaves a lost router out, aborts the routers'
+        # communicators (their steps run again on the new group) and rebuilds it.
+        recover = getattr(self.host, "recover", None)
+        if recover is not None:
+            threading.Thread(target=self._recover, args=(recover, self.host.generation),
+                             name="raymoe-watch-recover", daemon=True).start()
+
+    def _recover(self, recover: Any, generation: int) -> None:
+        try:
+            recover(generation)
+        except Exception as error:  # recovery reports its own failures (status); the watch goes on
+            self.last_error = f"recovery after a kill: {type(error).__name__}: {error}"
+
+    def written_off(self, name: str) -> bool:
+        """Whether the watch found rank ``name`` ("router 0") wedged (and killed it) or dead."""
+        record = self.records.get(name)
+        return record is not None and record.state in ("wedged", "dead")
 
     # ---- the report -------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from typing import Any
 
 import ray
 
-from raymoe.actors.rank_watch import RankWatching
+from raymoe.actors.rank_watch import RankWatching, actor_table_entry
 from raymoe.kernels.comm import errors as comm_errors
 from raymoe.moe.placement import PlacementTable
 
@@ -52,6 +52,10 @@ RELOAD_MIN_BYTES_PER_S = 50 * 2**20
 RELOAD_ATTEMPTS = 3
 RELOAD_FIRST_BACKOFF_S = 2.0
 PING_TIMEOUT_S = 5.0  # a worker that cannot answer `info` in this long is treated as lost
+# A router of the group that cannot say its pid in this long is left out of the next group (not
+# killed: the rank watch kills a wedged one) and re-included once it answers; a call to a
+# router that was just killed waits for its restart, which must not hold the others.
+ROUTER_PING_TIMEOUT_S = 1.0
 RESTART_TIMEOUT_S = 300.0
 LOST = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError)
 # Re-including restarted workers: attempt k waits REINCLUDE_FIRST_BACKOFF_S * 2**(k-1) (at most
@@ -73,13 +77,15 @@ class RepeatedStepFailure(RuntimeError):
 
 
 def join_ep_group(routers: list[Any], workers: list[Any], members: list[int], backend: str, timeout_s: float,
-                  generation: int) -> None:
-    """The deployment's one expert-parallel group: router ``r`` is rank ``r``, worker
-    ``members[i]`` is rank ``len(routers) + i``. Every rank must join or none completes; deploy
-    and recovery both build the group here."""
-    rendezvous = ray.get(routers[0].rendezvous.remote(), timeout=CALL_TIMEOUT_S)
-    num_routers = len(routers)
-    ray.get([router.join.remote(rendezvous, generation, members) for router in routers] + [
+                  generation: int, router_members: list[int] | None = None) -> None:
+    """The deployment's one expert-parallel group: router ``router_members[r]`` (default: every
+    router) is rank ``r``, worker ``members[i]`` is rank ``len(router_members) + i``. Every rank
+    must join or none completes; deploy, resize and recovery all build the group here."""
+    joined = list(range(len(routers))) if router_members is None else list(router_members)
+    rendezvous = ray.get(routers[joined[0]].rendezvous.remote(), timeout=CALL_TIMEOUT_S)
+    num_routers = len(joined)
+    ray.get([routers[index].join.remote(rendezvous, generation, members, rank, num_routers)
+             for rank, index in enumerate(joined)] + [
         workers[w].join.remote(backend, rendezvous, num_routers + rank, num_routers, members, timeout_s, generation)
         for rank, w in enumerate(members)
     ], timeout=CALL_TIMEOUT_S)
@@ -162,6 +168,10 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
         # The last recovery's workers' errors, how many recoveries in a row saw them, and the
         # steps the workers had served then (a served step ends a streak).
         self._failure_streak: tuple[tuple, int, int] = ((), 0, -1)
+        # Routers left out of the group: lost (dead, restarting or frozen and killed), back in once
+        # Ray has restarted them (``_reinclude_routers``); the others serve on meanwhile.
+        self.routers_out: set[int] = set()
+        self._router_thread: threading.Thread | None = None
         self._init_rank_watch()  # its thread waits for the constructor to finish
 
     # ---- failure recovery -------------------------------------------------------------------
@@ -222,22 +232,14 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
                 self.worker_pids[index] = self._wait_restarted(self.workers[index], self._restart_timeout_s())
                 self._reload(index, self.placement)
             lost = sorted(lost + restarted)
-            # Step 3b: a restarted router (its requests were retried elsewhere by the ingress)
-            # gets the supervisor and the placement in service back.
-            restarted_routers = []
-            for index, router in enumerate(self.routers):
-                pid = self._wait_restarted(router)
-                if pid != self.router_pids[index]:
-                    self.router_pids[index] = pid
-                    self.cursors[index] = 0
-                    ray.get([router.set_supervisor.remote(ray.get_runtime_context().current_actor),
-                             router.set_placement.remote(self.placement.to_dict())], timeout=CALL_TIMEOUT_S)
-                    restarted_routers.append(index)
+            # Step 3b: routers. One that is lost (its requests move to live routers, see
+            # actors/router_relay.py) is left out of the group and re-included once it is back.
+            restarted_routers, left_out = self._check_routers()
             # Step 4: new groups, one per router, every member joins.
             self._rebuild_groups(members)
             next_generation = self.generation
             self.recoveries.append({"time": time.time(), "lost_workers": lost, "restarted_routers": restarted_routers,
-                                    "mode": "restart", "generation": next_generation,
+                                    "routers_left_out": left_out, "mode": "restart", "generation": next_generation,
                                     "seconds": time.perf_counter() - started})
             if repeated is not None:
                 self._count("repeated_step_failures")
@@ -271,12 +273,12 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
         """Abort every communicator and join every router with ``members`` (worker indices) anew."""
         for index in members:
             _until_available(self.workers[index].reset_comms.remote)
-        for router in self.routers:
+        for router in self.group_routers():
             _until_available(router.abort_comm.remote)
         self._fault(fault_point)
         next_generation = self.generation + 1
         join_ep_group(self.routers, self.workers, members, self.groups["backend"], self.groups["timeout_s"],
-                      next_generation)
+                      next_generation, self.router_members())
         if len(members) == len(self.workers):
             self._join_migration_group()
         self.generation = next_generation
@@ -287,9 +289,9 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
         routers stop (comms aborted), switch placement, and join the new groups."""
         ray.get([self.workers[w].activate.remote(table.epoch, base_epoch, table.to_dict()) for w in activate_on],
                 timeout=CALL_TIMEOUT_S)
-        for router in self.routers:
+        for router in self.group_routers():
             _until_available(router.abort_comm.remote)
-        ray.get([r.set_placement.remote(table.to_dict()) for r in self.routers], timeout=CALL_TIMEOUT_S)
+        ray.get([r.set_placement.remote(table.to_dict()) for r in self.group_routers()], timeout=CALL_TIMEOUT_S)
         self._rebuild_groups(members, fault_point)
 
     def _covered_without(self, lost: list[int]) -> bool:
@@ -322,6 +324,103 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
                                 "seconds": time.perf_counter() - started})
         self._start_reinclude()
         return self.generation
+
+    # ---- routers in the group ------------------------------------------------------------------
+    def router_members(self) -> list[int]:
+        """The routers in the expert-parallel group (indices): every one but those left out."""
+        return [index for index in range(len(self.routers)) if index not in self.routers_out]
+
+    def group_routers(self) -> list[Any]:
+        return [self.routers[index] for index in self.router_members()]
+
+    def _check_routers(self) -> tuple[list[int], list[int]]:
+        """Step 3b of ``recover`` (recovery lock held): every router's state, before the group
+        is rebuilt. One Ray calls alive, with the pid the controller knows, stays in. One that
+        restarted and answers is given the supervisor and the placement in service and joins
+        now. One that is dead or restarting, or silent for ``ROUTER_PING_TIMEOUT_S`` (frozen: the
+        rank watch kills it) is left out: the other routers serve on at once, and
+        ``_reinclude_routers`` brings it back once it answers again. Only when every router
+        is lost does recovery wait for one here (a group needs a router). Returns the routers
+        restarted and joining now, and those left out."""
+        restarted, left_out = [], []
+        for index, router in enumerate(self.routers):
+            pid = self._router_pid(index)
+            if pid is None:
+                left_out.append(index)
+            elif pid != self.router_pids[index]:
+                self._readmit_router(index, pid)
+                restarted.append(index)
+        if len(left_out) == len(self.routers):  # nobody to serve: wait for the first one back
+            index = left_out.pop(0)
+            self._readmit_router(index, self._wait_restarted(self.routers[index]))
+            restarted.append(index)
+        self.routers_out = set(left_out)
+        if left_out:
+            self._count("routers_left_out")
+            if self._router_thread is None or not self._router_thread.is_alive():
+                self._router_thread = threading.Thread(target=self._reinclude_routers, name="raymoe-router-reinclude",
+                                                       daemon=True)
+                self._router_thread.start()
+        return restarted, left_out
+
+    def _router_pid(self, index: int) -> int | None:
+        """Router ``index``'s pid if Ray calls it alive and it answers within
+        ``ROUTER_PING_TIMEOUT_S``; else None (left out for now)."""
+        router = self.routers[index]
+        if self._rank_watch.written_off(f"router {index}"):
+            return None  # wedged (killed) or dead: asking would wait for its restart
+        if actor_table_entry(router._actor_id.hex()).get("State", "ALIVE") != "ALIVE":
+            return None  # dead or restarting: asking would wait for the restart
+        try:
+            return ray.get(router.info.remote(), timeout=ROUTER_PING_TIMEOUT_S)["pid"]
+        except (ray.exceptions.GetTimeoutError, *LOST):
+            return None
+
+    def _readmit_router(self, index: int, pid: int) -> None:
+        """A restarted router (its requests moved to live routers) gets the supervisor and the
+        placement in service; it joins with the next group."""
+        router = self.routers[index]
+        ray.get([router.set_supervisor.remote(ray.get_runtime_context().current_actor),
+                 router.set_placement.remote(self.placement.to_dict())], timeout=CALL_TIMEOUT_S)
+        self.router_pids[index] = pid
+        self.cursors[index] = 0
+
+    def _reinclude_routers(self) -> None:
+        """Bring the routers left out back into the group once Ray has restarted them: one
+        rebuild for all that are back (the one pause of a re-include, as for workers). A
+        failed attempt is counted and shown in status(), and tried again after a pause."""
+        backoff = REINCLUDE_FIRST_BACKOFF_S
+        while self.routers_out and not self._stopped.is_set():
+            try:
+                for index in sorted(self.routers_out):
+                    self._wait_restarted(self.routers[index])
+                with self._recover_lock:
+                    back = []
+                    for index in sorted(self.routers_out):
+                        pid = self._router_pid(index)
+                        if pid is not None:
+                            self._readmit_router(index, pid)
+                            back.append(index)
+                    if not back:  # e.g. the rank watch has not heard from the new incarnation yet
+                        self._stopped.wait(0.25)
+                        continue
+                    started = time.perf_counter()
+                    members = [w for w in range(len(self.workers))
+                               if self.degraded is None or w not in self.degraded["lost"]]
+                    self.routers_out -= set(back)
+                    self._rebuild_groups(members)
+                    self._count("router_reincludes")
+                    self.recoveries.append({"time": time.time(), "reincluded_routers": back, "mode": "reinclude",
+                                            "generation": self.generation,
+                                            "seconds": time.perf_counter() - started})
+                backoff = REINCLUDE_FIRST_BACKOFF_S
+            except Exception as error:  # counted, shown in status(), tried again
+                self._count("router_reinclude_failures")
+                self.last = {"error": f"re-including routers {sorted(self.routers_out)} failed: "
+                                      f"{type(error).__name__}: {error}", "time": time.time()}
+                if self._stopped.wait(backoff):
+                    return
+                backoff = min(2 * backoff, REINCLUDE_MAX_BACKOFF_S)
 
     # ---- re-including restarted workers -------------------------------------------------------
     def _reinclude_running(self) -> bool:

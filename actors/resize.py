@@ -99,6 +99,9 @@ class Resize:
                                  "has finished", 409)
         try:
             before = len(self.workers)
+            if self.routers_out:
+                return self._refused(f"routers {sorted(self.routers_out)} were lost and are being restarted; "
+                                     "resizing waits until the deployment is whole again", 409)
             if self.degraded is not None or self._recover_lock.locked():
                 lost = self.degraded["lost"] if self.degraded is not None else "?"
                 return self._refused(f"a recovery is running (workers {lost} are being restarted or re-included); "
@@ -250,7 +253,7 @@ class Resize:
                 return self._failed(f"copying the leaving workers' experts failed: {_describe(error)}", started,
                                     rolled_back="before the switch: the placement in service never changed")
             phases["copy_s"] = time.perf_counter() - started
-            ray.get([r.set_placement.remote(drained.to_dict()) for r in self.routers], timeout=CALL_TIMEOUT_S)
+            ray.get([r.set_placement.remote(drained.to_dict()) for r in self.group_routers()], timeout=CALL_TIMEOUT_S)
             ray.get([w.retire.remote(drained.epoch) for w in old], timeout=CALL_TIMEOUT_S)
             self.placement = drained
             # Step 2: the group without them.
@@ -340,13 +343,13 @@ class Resize:
         switched to ``table`` while it is down, and the migration group over them. Returns the
         seconds the routers had no group (from their abort to the group's join)."""
         started = time.perf_counter()
-        ray.get([r.abort_comm.remote() for r in self.routers], timeout=CALL_TIMEOUT_S)
-        ray.get([r.set_placement.remote(table.to_dict()) for r in self.routers], timeout=CALL_TIMEOUT_S)
+        ray.get([r.abort_comm.remote() for r in self.group_routers()], timeout=CALL_TIMEOUT_S)
+        ray.get([r.set_placement.remote(table.to_dict()) for r in self.group_routers()], timeout=CALL_TIMEOUT_S)
         ray.get([w.reset_comms.remote() for w in workers], timeout=CALL_TIMEOUT_S)
         generation = self.generation + 1
         self.generation = generation  # a router's recover() of the failed group returns once this is done
         join_ep_group(self.routers, workers, list(range(len(workers))), self.groups["backend"],
-                      self.groups["timeout_s"], generation)
+                      self.groups["timeout_s"], generation, self.router_members())
         paused = time.perf_counter() - started
         self._join_migration_group(workers)
         return paused
@@ -366,7 +369,7 @@ class Resize:
             ray.get([w.retire.remote(rolled.epoch) for w in workers], timeout=CALL_TIMEOUT_S)
             return "the group rebuilt over them"
         except Exception as error:
-            for router in self.routers:  # never route to a worker that is not coming back
+            for router in self.group_routers():  # never route to a worker that is not coming back
                 try:
                     ray.get(router.set_placement.remote(rolled.to_dict()), timeout=CALL_TIMEOUT_S)
                 except Exception:

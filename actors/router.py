@@ -132,6 +132,7 @@ class Router:
         self.pinned_core: int | None = None  # the core it took
         self.router_index = router_index
         self.num_routers = num_routers
+        self.group_routers = num_routers  # routers in the group joined last (recovery may leave one out)
         self.workers = workers
         self.backend = CommBackend(backend).resolve()
         self.timeout_s = timeout_s
@@ -192,24 +193,30 @@ class Router:
 
     # ---- the deployment's expert-parallel group ---------------------------------------
     def rendezvous(self) -> Any:
-        """A fresh rendezvous for the group; made on router 0 because group rank 0 runs here."""
+        """A fresh rendezvous for the group; made on the router that will be its rank 0."""
         host = ray.util.get_node_ip_address()
         return new_rendezvous(self.backend, host=host, group_name="raymoe-ep")
 
-    def join(self, rendezvous: Any, generation: int = 0, participants: list[int] | None = None) -> None:
-        """Join the group as rank ``router_index``, with ``participants`` (worker indices, in rank
-        order after the routers; default all). Blocks until every rank joined (warm-up barrier)."""
+    def join(self, rendezvous: Any, generation: int = 0, participants: list[int] | None = None,
+             rank: int | None = None, num_routers: int | None = None) -> None:
+        """Join the group with ``participants`` (worker indices, in rank order after the routers;
+        default all) as router rank ``rank`` of ``num_routers`` (default: ``router_index`` of all
+        of them; recovery leaves a lost router out until it is back). Blocks until every rank
+        joined (warm-up barrier)."""
         members = tuple(range(len(self.workers))) if participants is None else tuple(participants)
-        layout = GroupLayout(self.num_routers, members)
-        comm = make_communicator(self.backend, rendezvous, rank=self.router_index, world_size=layout.world_size,
+        rank = self.router_index if rank is None else rank
+        num_routers = self.num_routers if num_routers is None else num_routers
+        layout = GroupLayout(num_routers, members)
+        comm = make_communicator(self.backend, rendezvous, rank=rank, world_size=layout.world_size,
                                  timeout_s=self.timeout_s, device=self.device if self.device.type == "cuda" else None,
                                  bind_host=ray.util.get_node_ip_address())
         with self._lock:
             self.experts.exchange = router_exchange(
-                comm, layout, self.router_index, self.experts.placement.num_workers,  # the placement in service
+                comm, layout, rank, self.experts.placement.num_workers,  # the placement in service
                 self.experts.placement.slots_per_worker,
                 self.config.top_k,
                 self.config.hidden_size, self.engine.dtype, self.device)
+            self.group_routers = num_routers
             self.comm_generation = generation
             self.idle_rounds = 0
         with self._wake:
@@ -265,7 +272,7 @@ class Router:
                 if self.experts.exchange is None:
                     self._wake.wait(NOT_JOINED_WAIT_S)
                     continue
-                wait_s = None if self._pending_work() else idle_wait_s(self.num_routers, self.idle_rounds)
+                wait_s = None if self._pending_work() else idle_wait_s(self.group_routers, self.idle_rounds)
                 if wait_s is not None:
                     self._wake.wait(wait_s)
                     if self._stopped:
@@ -280,7 +287,7 @@ class Router:
             try:
                 if not exchange.agree_to_step(has_work):
                     self.idle_rounds += 1
-                    if self.num_routers == 1 or self.idle_rounds % TICK_ROUNDS == 0:
+                    if self.group_routers == 1 or self.idle_rounds % TICK_ROUNDS == 0:
                         exchange.idle_tick()
                     continue
                 self.idle_rounds = 0
