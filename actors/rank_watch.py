@@ -35,6 +35,8 @@ unanswered, the time of the kill). ``raymoe status`` shows them; so does the ing
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from typing import Any
@@ -68,6 +70,7 @@ class RankRecord:
         self.has_work = False
         self.first_answer_at: float | None = None  # monotonic: this incarnation's first answer
         self.pid: int | None = None
+        self.process: tuple[str, int] | None = None  # (node id, pid) of this incarnation, from Ray's actor table
         self.ray_state = "ALIVE"
         self.incarnation: int | None = None  # Ray's NumRestarts
         self.alive_since = time.monotonic()
@@ -83,6 +86,34 @@ def actor_table_entry(actor_id: str) -> dict[str, Any]:
         return actors(actor_id=actor_id) or {}
     except Exception:  # the GCS is slow or gone: nothing known this round
         return {}
+
+
+def sigkill(pid: int) -> bool:
+    """SIGKILL ``pid`` if it is a Ray worker process (its title starts ``ray::``; not a pid reused
+    since); whether a signal was sent."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if not f.read().startswith(b"ray::"):
+                return False
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except OSError:  # gone already, or not ours to signal
+        return False
+
+
+def sigkill_on_node(node_id: str, pid: int) -> None:
+    """``sigkill(pid)`` on node ``node_id``: here if it is this process's node, else in a task
+    pinned there (not waited for)."""
+    if node_id == ray.get_runtime_context().get_node_id():
+        sigkill(pid)
+        return
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        ray.remote(num_cpus=0, max_retries=0)(sigkill).options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(pid)
+    except Exception:  # the node is gone: so is the process
+        pass
 
 
 class RankWatch:
@@ -194,6 +225,8 @@ class RankWatch:
                 record.pending, record.counter, record.answered_at, record.pid = None, None, None, None
                 record.first_answer_at, record.progress_at, record.probes = None, None, 0
         record.ray_state, record.incarnation = state, incarnation
+        if entry.get("Pid") and (entry.get("Address") or {}).get("NodeID"):
+            record.process = (entry["Address"]["NodeID"], int(entry["Pid"]))
         if state != "ALIVE":
             record.state, record.reason = "dead", f"Ray reports the actor {state.lower()}"
             record.pending = None  # asked again once it is back
@@ -226,6 +259,11 @@ class RankWatch:
             outcome = "killed; Ray restarts it and recovery takes it as a dead rank"
         except Exception as error:
             outcome = f"kill failed: {type(error).__name__}: {error}"
+        if record.process is not None:
+            # ray.kill asks the process itself to exit first, which a frozen one cannot do: Ray
+            # ends it seconds later (measured 6 s), and until then its streams cannot move. A
+            # SIGKILL on its node ends it now.
+            sigkill_on_node(*record.process)
         record.reason += f"; {outcome}"
         with self._lock:
             self.wedged.append({"rank": record.name, "pid": record.pid, "reason": record.reason,
