@@ -42,7 +42,7 @@ from raymoe.actors.recovery import (CALL_TIMEOUT_S, LOST, PING_TIMEOUT_S, RECOVE
                                     _gather)
 from raymoe.actors.resize import RESIZE_FAULT_POINTS, Resize
 from raymoe.actors.autoscaler import Autoscaler
-from raymoe.actors.self_heal import SelfHeal
+from raymoe.actors.self_heal import HEAL_FAULT_POINTS, SelfHeal
 from raymoe.moe.autoscale_policy import AutoscalePolicy
 from raymoe.moe.placement import PlacementTable
 from raymoe.moe.rebalance_policy import RebalanceDecision, RebalancePolicy, decide, placement_balancedness
@@ -56,7 +56,7 @@ MIGRATION_TIMEOUT_S = 60.0  # deadline of one layer's copy collective (weights a
 # activate (one worker fails, the others have activated).
 REBALANCE_FAULT_POINTS = ("rebalance_before_migrate", "rebalance_during_migrate", "rebalance_migrate_peer_missing",
                           "rebalance_before_activate", "rebalance_during_activate")
-FAULT_POINTS = (*RECOVERY_FAULT_POINTS, *REBALANCE_FAULT_POINTS, *RESIZE_FAULT_POINTS)
+FAULT_POINTS = (*RECOVERY_FAULT_POINTS, *REBALANCE_FAULT_POINTS, *RESIZE_FAULT_POINTS, *HEAL_FAULT_POINTS)
 # How long a failed migration's cleanup waits for the calls still running in it (the aborted
 # copy collective makes them fail at once) and for each worker's answer.
 MIGRATION_CLEANUP_WAIT_S = 10.0

@@ -30,13 +30,16 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raymoe.actors.rank_watch import actor_table_entry
-from raymoe.actors.recovery import _describe
+from raymoe.actors.recovery import PING_TIMEOUT_S, _describe
 from raymoe.actors.worker_spec import start_worker
 from raymoe.moe.placement import PlacementTable
 from raymoe.moe.refill_plan import plan_refill
 
 # How long a replacement waits for Ray to place its bundle (the autoscaler may add a node).
 REPLACE_READY_TIMEOUT_S = 60.0
+# Where a test may make self-healing fail on purpose (Controller.inject_fault): the replacement
+# fails inside its first copy from the survivors.
+HEAL_FAULT_POINTS = ("heal_copy",)
 
 
 class SelfHeal:
@@ -77,6 +80,8 @@ class SelfHeal:
         started = time.perf_counter()
         try:
             self._join_migration_group()
+            if self._take_fault("heal_copy"):  # (tests) the replacement fails inside its copy
+                ray.get(self.workers[fresh[-1]].inject_fault.remote("migrate_staged"), timeout=PING_TIMEOUT_S)
             moved = self._copy(list(self.workers), current.epoch, restored, copies)
         except Exception as error:
             self._discard(list(self.workers), restored.epoch)

@@ -14,6 +14,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from ep_helpers import GREEDY, cluster_config, prompts, reference_engine
+from test_resize import generate_while
 from raymoe.actors.serving_metrics import ServingMetrics
 from raymoe.cluster.deploy import deploy
 from raymoe.cluster.status_cli import format_status
@@ -144,5 +145,28 @@ def test_a_worker_ray_will_not_restart_is_replaced_and_the_pool_is_whole_again(r
         assert [o.output_token_ids for o in again] == want[:16]
         rows = [t["worker_rows"] for t in deployment.telemetry()]
         assert sum(r[1] for r in rows) > 0, rows
+    finally:
+        deployment.shutdown()
+
+
+def test_a_replacement_whose_copy_fails_loads_from_the_checkpoint_and_loses_nothing(ray_session, tiny_mixtral_dir,
+                                                                                 expected):
+    batch, want = expected
+    config = dict(CONFIG, balancer={"enabled": False, "poll_interval_s": 0.2})
+    deployment = deploy(cluster_config(tiny_mixtral_dir, **config), name="heal-fault")
+    try:
+        assert deployment.resize(2)["resized"]
+        ray.get(deployment.controller.inject_fault.remote("heal_copy"))
+        outputs, _ = generate_while(deployment, batch, lambda: ray.kill(deployment.workers[1], no_restart=True))
+        assert [o.output_token_ids for o in outputs] == want
+        status = wait_for(lambda s: s["degraded"] is None and s["counters"]["reincludes"] >= 1,
+                          "the lost worker was never re-included", deployment)
+        counters = status["counters"]
+        assert counters["workers_replaced"] == 1 and counters["reinclude_failures"] == 1, counters
+        assert status["heals"] == [] and status["workers"] == 2  # no copy made it: the checkpoint did
+        replacement = ray.get_actor("heal-fault-worker-1", namespace="raymoe")
+        deployment.workers = [deployment.workers[0], replacement]
+        assert [o.output_token_ids for o in deployment.generate(batch[:16], GREEDY)] == want[:16]
+        assert sum(t["worker_rows"][1] for t in deployment.telemetry()) > 0
     finally:
         deployment.shutdown()
