@@ -170,3 +170,17 @@ def test_a_replacement_whose_copy_fails_loads_from_the_checkpoint_and_loses_noth
         assert sum(t["worker_rows"][1] for t in deployment.telemetry()) > 0
     finally:
         deployment.shutdown()
+
+
+def test_the_cooldown_runs_from_the_last_resize_or_the_autoscalers_last_try():
+    """A refused try (Ray had no room) counts like a resize for the cooldown: not retried every
+    interval; a resize anyone made counts too."""
+    from raymoe.actors.autoscaler import Autoscaler
+
+    host = Autoscaler()
+    host.resizes, host.autoscale_last_resize = [], None
+    assert host._last_resize_time() is None
+    host.resizes = [{"resized": True, "time": 10.0}, {"resized": False, "refused": True, "time": 20.0}]
+    assert host._last_resize_time() == 10.0  # an operator's refused resize changes nothing
+    host.autoscale_last_resize = {"resized": False, "error": "Ray could not place 2 more expert workers", "time": 30.0}
+    assert host._last_resize_time() == 30.0
