@@ -168,58 +168,77 @@ def full_size(cluster) -> dict | None:
 
 def test_a_partitioned_node_healed_loses_nothing_and_the_cluster_is_back_at_full_size(
         netns_cluster, deployment, reference):
-    batch = prompts(12, seed=3)
-    tokens = 160
-    pids = {w["address"]: w["pid"] for w in netns_cluster.call(driver.layout)["workers"]}
-    netns_cluster.call(driver.start_load, batch, tokens, "c", timeout=60)
+    """node1's link down for 15 s under continuous load (waves of 8 requests), then up again.
+    The controller finds node1's worker frozen (its exchange deadline passed), serves on the
+    replicas, and kills it; Ray can deliver that kill only once the link is back, so the worker
+    restarts after the heal (seconds to tens of seconds later) and is re-included. The load runs
+    until that has happened: every request of every wave completes, equal to the reference."""
+    batch, tokens = prompts(8, seed=3), 48
+    expected = reference(batch, tokens)
+    node1 = netns_cluster.members["node1"].address
+    victim_pid = next(w["pid"] for w in netns_cluster.call(driver.layout)["workers"] if w["address"] == node1)
+    netns_cluster.call(driver.start_load, batch, tokens, "c", True, timeout=60)
     assert wait_for(lambda: netns_cluster.call(driver.load_progress, "c") >= 24, 60, 0.1)
-    cut_at = time.monotonic()
+    cut_at, cut_wall = time.monotonic(), time.time()
     netns_cluster.cut("node1")
     try:
         time.sleep(15)
     finally:
         netns_cluster.heal("node1")
     healed_at = time.monotonic()
+
+    def restarted_and_full():
+        workers = netns_cluster.call(driver.layout, timeout=60)["workers"]
+        pid = next((w["pid"] for w in workers if w["address"] == node1), victim_pid)
+        return (time.monotonic(), pid) if pid != victim_pid and full_size(netns_cluster) else None
+
+    settled = wait_for(lambda: _quiet(restarted_and_full), 90, 1.0)
+    time.sleep(2)  # a little load on the full cluster again
     result = netns_cluster.call(driver.finish_load, "c", 90.0, timeout=120)
-    assert not result["failures"] and not result["timed_out"], (result["failures"], result["finished"],
-                                                                 pauses(result, cut_at),
-                                                                 netns_cluster.call(driver.diagnose))
-    assert result["finished"] == len(batch)
-    assert result["tokens"] == reference(batch, tokens)
-    # the longest pause any stream saw, and when tokens flowed again after the cut
-    _, _, longest = itl_ms(result)
+    if result["failures"] or result["timed_out"]:
+        print(f"\nFAILED: {result['failures'][:1]}, finished {result['finished']}, pauses {pauses(result, cut_at)}, "
+              f"state {netns_cluster.call(driver.diagnose)}")
+    assert not result["failures"] and not result["timed_out"], result["failures"]
+    assert result["finished"] == result["requests"]
+    assert all(out == expected[i % len(batch)] for i, out in enumerate(result["tokens"]))
     status = netns_cluster.call(driver.status)
     recoveries = status["recoveries"]
-    assert recoveries and recoveries[-1]["lost_workers"], recoveries
-    print(f"\npartition 15 s (healed at {healed_at - cut_at:.1f} s): longest stream pause {longest / 1000:.2f} s; "
-          f"pauses (start after the cut, length): {pauses(result, cut_at)[:12]}; "
-          f"recoveries: {[(r['mode'], r['lost_workers'], round(r['seconds'], 2)) for r in recoveries]}; "
-          f"load done {result['last'] - cut_at:.1f} s after the cut")
-
-    back = wait_for(lambda: full_size(netns_cluster), 120, 1.0)
-    back_s = time.monotonic() - healed_at
-    assert back, netns_cluster.call(driver.status)
+    _, _, longest = itl_ms(result)
+    print(f"\npartition 15 s under load: {result['requests']} requests in {result['waves']} waves, all equal; "
+          f"longest stream pause {longest / 1000:.2f} s; pauses (start after the cut, length): "
+          f"{pauses(result, cut_at)[:12]}; recoveries (mode, workers, s, at s after the cut): "
+          f"{[(r['mode'], r.get('lost_workers', r.get('reincluded_workers')), round(r['seconds'], 2), round(r['time'] - cut_wall, 1)) for r in recoveries]}")
+    assert settled, ("node1's worker was not restarted and re-included within 90 s of the heal",
+                     netns_cluster.call(driver.diagnose))
+    print(f"node1's worker restarted (pid {victim_pid} -> {settled[1]}) and the cluster back at full size "
+          f"{settled[0] - healed_at:.1f} s after the heal ({settled[0] - cut_at:.1f} s after the cut)")
+    assert any(r.get("lost_workers") for r in recoveries), recoveries
     layout = netns_cluster.call(driver.layout)
     assert {w["address"] for w in layout["workers"]} == addresses(netns_cluster, "node1", "node2"), layout
-    print(f"back at full size {back_s:.1f} s after the heal ({time.monotonic() - cut_at:.1f} s after the cut); "
-          f"worker pids before {pids}, after {({w['address']: w['pid'] for w in layout['workers']})}")
-    again = netns_cluster.call(driver.run_load, prompts(4, seed=4), MAX_TOKENS, "c2", 120.0, timeout=150)
-    assert again["tokens"] == reference(prompts(4, seed=4)) and not again["failures"]
+
+
+def _quiet(predicate):
+    try:
+        return predicate()
+    except Exception:  # a call to a restarting worker: not yet
+        return None
 
 
 def test_a_node_whose_processes_are_killed_loses_no_request(netns_cluster, deployment, reference):
     batch = prompts(12, seed=5)
     tokens = 240
     before = netns_cluster.call(driver.status)["recoveries"]
+    print(f"\nbefore the kill: {netns_cluster.call(driver.layout)['workers']}")
     netns_cluster.call(driver.start_load, batch, tokens, "d", timeout=60)
     assert wait_for(lambda: netns_cluster.call(driver.load_progress, "d") >= 24, 60, 0.1)
     killed_at = time.monotonic()
     killed = netns_cluster.kill("node2")
     assert killed
     result = netns_cluster.call(driver.finish_load, "d", 90.0, timeout=120)
-    assert not result["failures"] and not result["timed_out"], (result["failures"], result["finished"],
-                                                                 pauses(result, killed_at),
-                                                                 netns_cluster.call(driver.diagnose))
+    if result["failures"] or result["timed_out"]:
+        print(f"\nFAILED: {result['failures'][:1]}, finished {result['finished']}, pauses {pauses(result, killed_at)}, "
+              f"state {netns_cluster.call(driver.diagnose)}")
+    assert not result["failures"] and not result["timed_out"], result["failures"]
     assert result["finished"] == len(batch)
     assert result["tokens"] == reference(batch, tokens)
     _, _, longest = itl_ms(result)
