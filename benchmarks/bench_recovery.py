@@ -3,7 +3,8 @@ or frozen; what the clients saw, per case.
 
 Starts `raymoe serve` (its own local Ray, loopback only; cluster/serve_process.py) on a tiny
 random-weight Mixtral written offline (benchmarks/common.py), 2 routers x 3 expert workers,
-CPU, float32, comm over gloo with ``--timeout-s`` (3 s, as tests/serve/test_router_failure.py).
+CPU, float32, comm over ``--backend`` (sockets, the CPU default; or gloo) with ``--timeout-s`` (3 s, as
+tests/serve/test_router_failure.py).
 Per case it starts ``--streams`` streamed completions of ``--tokens`` tokens each (half greedy,
 half seeded at temperature 0.9; one after the other, each once its first event arrived, so
 that with one ingress replica stream i runs on router i % 2), waits until every stream has
@@ -345,10 +346,10 @@ def run_case(server, case: str, args, reference: list[list[int]] | None, replica
             "pause_per_stream": [round(longest_pause([r]), 3) for r in records]}
 
 
-def cluster_yaml(model: str, redundant: int, replicas: int, timeout_s: float) -> str:
+def cluster_yaml(model: str, redundant: int, replicas: int, timeout_s: float, backend: str = "sockets") -> str:
     return (f"model: {model}\ndevice: cpu\ndtype: float32\nrouters: 2\nexpert_workers: 3\n"
             f"placement:\n  strategy: round_robin\n  redundant_slots_per_worker: {redundant}\n"
-            f"comm:\n  backend: gloo\n  timeout_s: {timeout_s}\n"
+            f"comm:\n  backend: {backend}\n  timeout_s: {timeout_s}\n"
             "balancer:\n  enabled: false\n  poll_interval_s: 0.2\n"
             f"serve:\n  replicas: {replicas}\n")
 
@@ -371,7 +372,7 @@ def serve_and_run(cases: list[str], args, model: str, folder: str, name: str, re
                   reference: list[list[int]] | None) -> tuple[list[dict], list[list[int]]]:
     config = os.path.join(folder, f"{name}.yaml")
     with open(config, "w") as handle:
-        handle.write(cluster_yaml(model, redundant, replicas, args.timeout_s))
+        handle.write(cluster_yaml(model, redundant, replicas, args.timeout_s, args.backend))
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAYMOE_ADMIN_TOKEN=ADMIN_TOKEN)
     results = []
     for attempt in range(START_ATTEMPTS):  # on a loaded machine Ray's start can time out
@@ -422,6 +423,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stop-s", type=float, default=20.0, help="case d: seconds between SIGSTOP and SIGCONT")
     parser.add_argument("--after-s", type=float, default=30.0, help="window after the fault for the p99 ITL")
     parser.add_argument("--timeout-s", type=float, default=3.0, help="comm.timeout_s of the deployment")
+    parser.add_argument("--backend", default="sockets", choices=["sockets", "gloo"],
+                        help="comm.backend (sockets: what a CPU deployment gets by default; gloo does not see a "
+                             "dead peer before its deadline)")
     parser.add_argument("--out", help="write the rows (and tokens/s series) as JSON here")
     parser.add_argument("--plot", help="write the timeline plot (PNG) here")
     args = parser.parse_args(argv)
@@ -434,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
     folder = tempfile.mkdtemp(prefix="raymoe-recovery-")
     model = os.path.join(folder, "tiny-mixtral")
     build_mixtral(model, hidden=64, layers=3, experts=8, top_k=2, intermediate=96, vocab=320)
-    print(f"machine: {machine_description()}; load average {os.getloadavg()[0]:.1f}; "
+    print(f"machine: {machine_description()}; comm {args.backend}, timeout_s {args.timeout_s:g}; load average {os.getloadavg()[0]:.1f}; "
           f"{args.streams} streams x {args.tokens} tokens; logs in {folder}", flush=True)
     began = time.monotonic()
     results, reference = [], None
