@@ -39,6 +39,7 @@ SUBNET = "10.231.0"  # private /24, only inside the bridge's namespace and the m
 PREFIX_ROOT = "rmns"  # every namespace this module makes starts with it
 CLONE_NEWNET = 0x40000000
 GCS_PORT = 6379  # inside the head namespace: nothing else listens there
+HEALTH_CHECK_FAILURES = 5  # failed health checks before Ray's GCS declares a node dead (Ray's default)
 
 
 def _run(*args: str, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
@@ -156,6 +157,7 @@ class NetnsCluster:
         self.temp_dir = tempfile.mkdtemp(prefix="raymoe-netns-")
         self.driver: concurrent.futures.ProcessPoolExecutor | None = None
         self.started = False
+        self.head_env: dict[str, str] = {}
         self.delays: dict[str, subprocess.Popen | None] = {}  # member -> its delay relay (None: netem)
         # Ray 2.60 authenticates with a token: this cluster's own, which every member and the
         # driver get, so the host's ~/.ray/auth_token is neither needed nor used.
@@ -205,12 +207,18 @@ class NetnsCluster:
                 f"--node-ip-address={member.address}", f"--num-cpus={self.cpus_per_node}",
                 f"--resources={json.dumps(member.resources)}", "--object-store-memory=100000000",
                 "--disable-usage-stats", *extra]
-        done = subprocess.run(args, env=self.ray_env(), capture_output=True, text=True, timeout=120)
+        env = dict(self.ray_env(), **(self.head_env if member.name == "head" else {}))
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"ray start in {member.namespace} failed ({done.returncode}):\n"
                                f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
 
     def start_ray(self) -> None:
+        # Ray's GCS declares a node dead after HEALTH_CHECK_FAILURES failed health checks; a
+        # node declared dead never rejoins (its raylet exits once it hears so). A check of a
+        # partitioned node fails only at its 10 s deadline (one of a dead raylet, refused, at
+        # once), so Ray's defaults keep a 20 s partition a partition; set here to say so.
+        self.head_env = {"RAY_health_check_failure_threshold": str(HEALTH_CHECK_FAILURES)}
         self._ray_start(self.head, "--head", f"--port={GCS_PORT}", "--include-dashboard=false",
                         f"--temp-dir={self.temp_dir}")
         for member in self.members.values():

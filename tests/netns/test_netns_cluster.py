@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow  # the full suite only (not the fast tier): starts
 
 TIMEOUT_S = 3.0  # comm.timeout_s: a lost peer fails a step within this
 MAX_TOKENS = 24
+PARTITION_S = 20  # the issue's figure; Ray declares a partitioned node dead only after ~5 x 10 s
 
 
 def prompts(count: int, seed: int) -> list[list[int]]:
@@ -168,7 +169,7 @@ def full_size(cluster) -> dict | None:
 
 def test_a_partitioned_node_healed_loses_nothing_and_the_cluster_is_back_at_full_size(
         netns_cluster, deployment, reference):
-    """node1's link down for 15 s under continuous load (waves of 8 requests), then up again.
+    """node1's link down for 20 s under continuous load (waves of 8 requests), then up again.
     The controller finds node1's worker frozen (its exchange deadline passed), serves on the
     replicas, and kills it; Ray can deliver that kill only once the link is back, so the worker
     restarts after the heal (seconds to tens of seconds later) and is re-included. The load runs
@@ -182,7 +183,7 @@ def test_a_partitioned_node_healed_loses_nothing_and_the_cluster_is_back_at_full
     cut_at, cut_wall = time.monotonic(), time.time()
     netns_cluster.cut("node1")
     try:
-        time.sleep(15)
+        time.sleep(PARTITION_S)
     finally:
         netns_cluster.heal("node1")
     healed_at = time.monotonic()
@@ -204,7 +205,7 @@ def test_a_partitioned_node_healed_loses_nothing_and_the_cluster_is_back_at_full
     status = netns_cluster.call(driver.status)
     recoveries = status["recoveries"]
     _, _, longest = itl_ms(result)
-    print(f"\npartition 15 s under load: {result['requests']} requests in {result['waves']} waves, all equal; "
+    print(f"\npartition {PARTITION_S} s under load: {result['requests']} requests in {result['waves']} waves, all equal; "
           f"longest stream pause {longest / 1000:.2f} s; pauses (start after the cut, length): "
           f"{pauses(result, cut_at)[:12]}; recoveries (mode, workers, s, at s after the cut): "
           f"{[(r['mode'], r.get('lost_workers', r.get('reincluded_workers')), round(r['seconds'], 2), round(r['time'] - cut_wall, 1)) for r in recoveries]}")
