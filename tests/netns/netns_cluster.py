@@ -54,7 +54,7 @@ def why_unavailable() -> str | None:
         return "needs iproute2's `ip` (apt-get install iproute2)"
     if os.geteuid() != 0:
         return f"needs root (CAP_NET_ADMIN) for `ip netns`; running as uid {os.geteuid()}"
-    probe = f"{PREFIX_ROOT}probe{os.getpid()}"
+    probe = f"{PREFIX_ROOT}{os.getpid()}-probe"
     made = _run("ip", "netns", "add", probe, check=False)
     if made.returncode != 0:
         return f"cannot create a network namespace: `ip netns add` said {made.stderr.strip() or made.returncode}"

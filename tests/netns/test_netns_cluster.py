@@ -3,10 +3,11 @@ own address on a veth, the expert workers on the nodes, the router and the drive
 
 One deployment serves every test in order (module-scoped, as the Ray cluster): (a) outputs
 equal the in-process engine's and the exchange really crosses the namespaces' addresses;
-(b) 5 ms netem delay on one node's link; (c) one node partitioned mid-load, then healed; (d) one
-node's processes killed mid-load. Every expert has a copy on each worker
+(b) 5 ms delay each way on one node's link (tc netem, or a user-space relay where the kernel
+lacks netem); (c) one node partitioned for 20 s under load, then healed; (d) one node's
+processes killed under load. Every expert has a copy on each worker
 (``redundant_slots_per_worker``), so either node alone can serve. Each load is bounded in
-tokens and time; the whole module runs in about a minute and a half on the 2-core machine.
+tokens and time; the whole module runs in 70-95 s on the 2-core machine.
 """
 
 from __future__ import annotations
