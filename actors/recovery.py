@@ -68,8 +68,9 @@ REINCLUDE_MAX_BACKOFF_S = 30.0
 # served in between) fails deterministically: its requests are failed, not retried for ever.
 MAX_IDENTICAL_STEP_FAILURES = 3
 # Where a test may make recovery fail on purpose (Controller.inject_fault): loading the
-# placement into a restarted worker, and joining the groups that re-include it.
-RECOVERY_FAULT_POINTS = ("reinclude_load", "reinclude_join")
+# placement into a restarted worker, joining the groups that re-include it, and a recovery's
+# own switch to the new group (as when a survivor is lost in the middle of it).
+RECOVERY_FAULT_POINTS = ("reinclude_load", "reinclude_join", "recovery_switch")
 
 
 class RepeatedStepFailure(RuntimeError):
@@ -171,6 +172,7 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
         # Routers left out of the group: lost (dead, restarting or frozen and killed), back in once
         # Ray has restarted them (``_reinclude_routers``); the others serve on meanwhile.
         self.routers_out: set[int] = set()
+        self.killed_pids: dict[int, int] = {}  # worker -> the pid recovery killed, until a new one answers
         self._router_thread: threading.Thread | None = None
         self._init_rank_watch()  # its thread waits for the constructor to finish
 
@@ -219,9 +221,11 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
             # Step 2: a frozen worker cannot serve: kill it so that Ray restarts it too.
             for index in frozen:
                 ray.kill(self.workers[index], no_restart=False)
+                self.killed_pids[index] = self.worker_pids[index]  # until it is gone (see _wait_restarted)
             lost = sorted(lost + frozen)
             for index in restarted:  # back already: it serves the placement in service
-                self.worker_pids[index] = self._wait_restarted(self.workers[index], self._restart_timeout_s())
+                self.worker_pids[index] = self._wait_restarted(self.workers[index], self._restart_timeout_s(),
+                                                               self.killed_pids.pop(index, None))
                 self._reload(index, self.placement)
             if lost and self.degraded is None and self._covered_without(lost):
                 return self._serve_on_replicas(lost, restarted, started)
@@ -229,14 +233,15 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
             # will not restart gets a new actor: actors/self_heal.py).
             self._replace_dead_workers(lost)
             for index in lost:
-                self.worker_pids[index] = self._wait_restarted(self.workers[index], self._restart_timeout_s())
+                self.worker_pids[index] = self._wait_restarted(self.workers[index], self._restart_timeout_s(),
+                                                               self.killed_pids.pop(index, None))
                 self._reload(index, self.placement)
             lost = sorted(lost + restarted)
             # Step 3b: routers. One that is lost (its requests move to live routers, see
             # actors/router_relay.py) is left out of the group and re-included once it is back.
             restarted_routers, left_out = self._check_routers()
             # Step 4: new groups, one per router, every member joins.
-            self._rebuild_groups(members)
+            self._rebuild_groups(members, fault_point="recovery_switch")
             next_generation = self.generation
             self.recoveries.append({"time": time.time(), "lost_workers": lost, "restarted_routers": restarted_routers,
                                     "routers_left_out": left_out, "mode": "restart", "generation": next_generation,
@@ -314,7 +319,7 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
             phy2log[:, current.worker_slots(index)] = -1
         degraded = self._new_table(phy2log)
         survivors = [w for w in range(len(self.workers)) if w not in lost]
-        self._switch_groups(degraded, current.epoch, survivors, survivors)
+        self._switch_groups(degraded, current.epoch, survivors, survivors, fault_point="recovery_switch")
         self.placement = degraded
         self.degraded = {"lost": lost, "rows": current.phy2log.copy(), "since": time.time(), "attempts": 0,
                          "last_error": None, "next_attempt_at": None, "gave_up": False}
@@ -467,7 +472,10 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
         so requests wait a moment but are never lost."""
         lost = self.degraded["lost"]
         self._replace_dead_workers(lost)  # one Ray will not restart gets a new actor (actors/self_heal.py)
-        pids = {index: self._wait_restarted(self.workers[index], self._restart_timeout_s()) for index in lost}
+        pids = {index: self._wait_restarted(self.workers[index], self._restart_timeout_s(), self.killed_pids.get(index))
+                for index in lost}
+        for index in lost:
+            self.killed_pids.pop(index, None)
         with self._recover_lock:
             if self.degraded is None:
                 return
@@ -506,16 +514,22 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
         ray.get([self.workers[w].retire.remote(rolled.epoch) for w in survivors], timeout=CALL_TIMEOUT_S)
         self.placement = rolled
 
-    def _wait_restarted(self, actor: Any, timeout_s: float = RESTART_TIMEOUT_S) -> int:
-        """Wait until ``worker`` answers again; returns its pid."""
+    def _wait_restarted(self, actor: Any, timeout_s: float = RESTART_TIMEOUT_S, killed_pid: int | None = None) -> int:
+        """Wait until ``actor`` answers again; returns its pid. ``killed_pid``: the process this
+        recovery killed, which does not count as back (a kill sent while its node was cut off
+        lands only once the link is back, seconds later: re-included meanwhile, it would die
+        again)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                return ray.get(actor.info.remote(), timeout=PING_TIMEOUT_S)["pid"]
+                pid = ray.get(actor.info.remote(), timeout=PING_TIMEOUT_S)["pid"]
+                if pid != killed_pid:
+                    return pid
             except LOST:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"a lost actor did not restart within {timeout_s:.0f} s") from None
-                time.sleep(0.5)
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a lost actor did not restart within {timeout_s:.0f} s") from None
+            time.sleep(0.5)
 
     def _restart_timeout_s(self) -> float:
         """A restarted worker answers once its constructor loaded its experts: the restart

@@ -45,6 +45,8 @@ from raymoe.engine.hf_config import load_model_config
 from raymoe.moe.placement import PlacementTable
 
 RECOVERY_TIMEOUT_S = 600.0
+RECOVERY_ATTEMPTS = 3  # a router asks this many times for a recovery that fails part-way
+RECOVERY_RETRY_PAUSE_S = 1.0
 # Failures a rebuilt communicator group fixes: a peer that died, froze or broke the group.
 RECOVERABLE = (CommError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
                ray.exceptions.ActorUnavailableError)
@@ -56,6 +58,13 @@ IDLE_MAX_S = 0.016
 TICK_ROUNDS = 32
 TICK_S = 0.5
 NOT_JOINED_WAIT_S = 0.05
+
+
+def _is_error(error: BaseException, name: str) -> bool:
+    """Whether ``error`` (or, for a remote call's error, its cause) is of the class ``name``."""
+    cause = getattr(error, "cause", None)
+    return any(type(e).__name__ == name or any(c.__name__ == name for c in type(e).__mro__)
+               for e in (error, cause) if e is not None)
 
 
 def idle_wait_s(num_routers: int, idle_rounds: int) -> float | None:
@@ -368,14 +377,28 @@ class Router:
         exchange.comm.abort()
         if newer:
             return
-        try:
-            if self.supervisor is None:
-                raise RuntimeError("no supervisor to recover with")
-            ray.get(self.supervisor.recover.remote(generation), timeout=RECOVERY_TIMEOUT_S)
-            self.recoveries += 1
-        except Exception as error:  # recovery itself failed: give up on what is in flight
-            with self._lock:
-                self._fail_all(f"{type(failure).__name__}: {failure}; recovery failed: {type(error).__name__}: {error}")
+        for attempt in range(1, RECOVERY_ATTEMPTS + 1):
+            try:
+                if self.supervisor is None:
+                    raise RuntimeError("no supervisor to recover with")
+                ray.get(self.supervisor.recover.remote(generation), timeout=RECOVERY_TIMEOUT_S)
+                self.recoveries += 1
+                return
+            except Exception as error:
+                # A recovery that failed part-way (a survivor lost in the middle of it) is asked
+                # for again: it starts over from who answers now. Not a step that fails the same
+                # way after every rebuild, nor one that ran out of time: those fail what is in flight.
+                final = (attempt == RECOVERY_ATTEMPTS or _is_error(error, "RepeatedStepFailure")
+                         or isinstance(error, ray.exceptions.GetTimeoutError))
+                if not final:
+                    time.sleep(RECOVERY_RETRY_PAUSE_S)
+                    if self.experts.exchange is not None:  # joined to a new group meanwhile
+                        return
+                    continue
+                with self._lock:
+                    self._fail_all(f"{type(failure).__name__}: {failure}; recovery failed ({attempt} "
+                                   f"attempt{'s' if attempt > 1 else ''}): {type(error).__name__}: {error}")
+                return
 
     @staticmethod
     def _delta(output: RequestOutput) -> TokenDelta | StepFailure:
