@@ -283,6 +283,12 @@ class RankWatch:
         except Exception as error:  # recovery reports its own failures (status); the watch goes on
             self.last_error = f"recovery after a kill: {type(error).__name__}: {error}"
 
+    def is_wedged(self, name: str) -> bool:
+        """Whether the watch found rank ``name`` ("worker 1") wedged and killed it (until its
+        next incarnation answers)."""
+        record = self.records.get(name)
+        return record is not None and record.state == "wedged"
+
     def written_off(self, name: str) -> bool:
         """Whether the watch found rank ``name`` ("router 0") wedged (and killed it) or dead."""
         record = self.records.get(name)

@@ -207,6 +207,10 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
             answers = {index: self.workers[index].info.remote() for index in members}
             lost, restarted, frozen, infos = [], [], [], {}
             for index, answer in answers.items():
+                if self._rank_watch.is_wedged(f"worker {index}"):  # killed by the watch: not worth a 5 s ping
+                    lost.append(index)  # (a partitioned node's worker: the kill lands once the link is back)
+                    self.killed_pids[index] = self.worker_pids[index]
+                    continue
                 try:
                     infos[index] = ray.get(answer, timeout=PING_TIMEOUT_S)
                     if infos[index]["pid"] != self.worker_pids[index]:
