@@ -42,6 +42,46 @@ def wait_until(condition, timeout_s: float, what: str):
         time.sleep(0.2)
 
 
+class Serving:
+    """Batches of ``size`` requests run one after another on a thread (at most 200), each
+    batch's outputs kept beside what the in-process engine gave, every error kept."""
+
+    def __init__(self, deployment, batch: list, want: list, size: int):
+        self.served: list[tuple[list, list]] = []
+        self.errors: list[BaseException] = []
+        self.stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(deployment, batch, want, size))
+
+    def _run(self, deployment, batch, want, size) -> None:
+        round_ = 0
+        while not self.stop.is_set() and round_ < 200:
+            share = slice((size * round_) % len(batch), (size * round_) % len(batch) + size)
+            try:
+                self.served.append(([o.output_token_ids for o in deployment.generate(batch[share], GREEDY)],
+                                    want[share]))
+            except Exception as error:  # every request must complete: recorded, asserted by the test
+                self.errors.append(error)
+            round_ += 1
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def halt(self) -> None:
+        self.stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=120)
+
+    def finish(self) -> None:
+        self.halt()
+        assert not self._thread.is_alive(), "requests hung"
+
+    def check(self) -> None:
+        """Every request completed, each equal to the in-process engine's."""
+        self.finish()
+        assert not self.errors, self.errors[:1]
+        assert self.served and all(got == reference for got, reference in self.served)
+
+
 def test_a_failed_reinclude_is_retried_while_the_replicas_serve_every_request(ray_session, tiny_mixtral_dir,
                                                                                expected):
     batch, want = expected
@@ -50,36 +90,18 @@ def test_a_failed_reinclude_is_retried_while_the_replicas_serve_every_request(ra
                             comm={"backend": "gloo", "timeout_s": TIMEOUT_S}, balancer={"enabled": False})
     deployment = deploy(config, name="retry-reinclude")
     pid = ray.get(deployment.workers[1].info.remote())["pid"]
-    served: list[tuple[list, list]] = []  # (outputs, expected) of every batch run during the recovery
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def keep_serving() -> None:  # requests all through the recovery, the failed attempts and the rollback
-        round_ = 0
-        while not stop.is_set() and round_ < 200:
-            share = slice((4 * round_) % len(batch), (4 * round_) % len(batch) + 4)
-            try:
-                served.append(([o.output_token_ids for o in deployment.generate(batch[share], GREEDY)], want[share]))
-            except Exception as error:  # every request must complete: recorded, asserted below
-                errors.append(error)
-            round_ += 1
-
-    runner = threading.Thread(target=keep_serving)
+    serving = Serving(deployment, batch, want, 4)  # requests all through the recovery, the failed attempts and the rollback
     try:
         # The first re-include attempt fails loading the restarted worker, the second joining
         # the groups (after the routers stopped: they must be rolled back); the third succeeds.
         ray.get(deployment.controller.inject_fault.remote("reinclude_load", 1))
         ray.get(deployment.controller.inject_fault.remote("reinclude_join", 1))
-        runner.start()
-        wait_until(lambda: served, 60, "the first batch")
+        serving.start()
+        wait_until(lambda: serving.served, 60, "the first batch")
         os.kill(pid, signal.SIGSTOP)  # frozen: the step's deadline passes, recovery kills it
         status = wait_until(lambda: (s := deployment.status())["counters"]["reincludes"] >= 1 and s, 180,
                             "the re-include")
-        stop.set()
-        runner.join(timeout=120)
-        assert not runner.is_alive(), "requests hung during the re-include retries"
-        assert not errors, errors[:1]
-        assert served and all(got == reference for got, reference in served)
+        serving.check()
         c = status["counters"]
         assert c["recoveries_on_replicas"] == 1, (c, status["recoveries"])
         assert (c["reinclude_attempts"], c["reinclude_failures"], c["reincludes"]) == (3, 2, 1), c
@@ -97,9 +119,7 @@ def test_a_failed_reinclude_is_retried_while_the_replicas_serve_every_request(ra
         assert [o.output_token_ids for o in outputs] == want
         assert ray.get(deployment.workers[1].info.remote())["steps_served"] > before
     finally:
-        stop.set()
-        if runner.is_alive():
-            runner.join(timeout=120)
+        serving.halt()
         try:
             os.kill(pid, signal.SIGCONT)  # if it was never killed by the recovery
         except ProcessLookupError:
@@ -119,40 +139,20 @@ def test_a_recovery_that_fails_part_way_is_asked_for_again_and_loses_nothing(ray
                             comm={"backend": "sockets", "timeout_s": TIMEOUT_S}, balancer={"enabled": False})
     deployment = deploy(config, name="retry-recovery")
     pid = ray.get(deployment.workers[1].info.remote())["pid"]
-    served: list[tuple[list, list]] = []
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def keep_serving() -> None:
-        round_ = 0
-        while not stop.is_set() and round_ < 200:
-            share = slice((8 * round_) % len(batch), (8 * round_) % len(batch) + 8)
-            try:
-                served.append(([o.output_token_ids for o in deployment.generate(batch[share], GREEDY)], want[share]))
-            except Exception as error:  # every request must complete: recorded, asserted below
-                errors.append(error)
-            round_ += 1
-
-    runner = threading.Thread(target=keep_serving)
+    serving = Serving(deployment, batch, want, 8)
     try:
         ray.get(deployment.controller.inject_fault.remote("recovery_switch", 1))
-        runner.start()
-        wait_until(lambda: served, 60, "the first batch")
+        serving.start()
+        wait_until(lambda: serving.served, 60, "the first batch")
         os.kill(pid, signal.SIGKILL)
         status = wait_until(lambda: (s := deployment.status())["counters"]["reincludes"] >= 1 and s, 180,
                             "the re-include")
-        stop.set()
-        runner.join(timeout=120)
-        assert not runner.is_alive(), "requests hung"
-        assert not errors, errors[:1]
-        assert served and all(got == reference for got, reference in served)
+        serving.check()
         c = status["counters"]
         assert c["recoveries"] >= 2 and c["recoveries_on_replicas"] == 1, (c, status["recoveries"])
         assert sum(ray.get(r.info.remote())["recoveries"] for r in deployment.routers) >= 1
     finally:
-        stop.set()
-        if runner.is_alive():
-            runner.join(timeout=120)
+        serving.halt()
         deployment.shutdown()
 
 
