@@ -19,7 +19,8 @@ are compared across machines). Per rank, one of:
   than the deadline (reported, never acted on: in a lockstep group every rank stalls when one
   fails, and the exchange's own deadline and recovery handle a peer that stops answering there);
 - ``wedged``: Ray's actor table says ALIVE (this incarnation for longer than the deadline) and a
-  probe has had no answer for ``WEDGE_FRACTION`` of ``comm.timeout_s``. The rank is killed at once
+  probe has had no answer for ``comm.wedge_after_s`` (default 0.8 x ``comm.timeout_s``, at most
+  10 s: cluster/config.py). The rank is killed at once
   (``ray.kill``, Ray restarts it: ``max_restarts=-1``), so it cannot come back half-way, and
   recovery starts at once (the other ranks need not wait out their exchange deadline), treating
   it as a dead one: a router's requests move to a live router
@@ -46,7 +47,7 @@ import ray
 PROBE_INTERVAL_S = 0.25  # how often every rank is probed (one probe per rank in flight)
 PROGRESS_EVERY = 4  # a worker's probe is its `info` (steps served) every this many probes
 NO_STEP = 2**62  # expert_loads_since(NO_STEP): no loads, only the router's step count
-WEDGE_FRACTION = 0.8  # no answer for this much of comm.timeout_s: wedged (found within the deadline)
+WEDGE_FRACTION = 0.8  # without comm.wedge_after_s from deploy: this much of comm.timeout_s
 DEFAULT_DEADLINE_S = 30.0  # comm.timeout_s when the controller was given no groups
 GCS_TIMEOUT_S = 2.0
 WEDGED_KEPT = 32  # wedged ranks remembered for rank_states()
@@ -133,6 +134,11 @@ class RankWatch:
     def deadline_s(self) -> float:
         groups = getattr(self.host, "groups", None) or {}
         return float(groups.get("timeout_s") or DEFAULT_DEADLINE_S)
+
+    def wedge_after_s(self) -> float:
+        """comm.wedge_after_s as deploy resolved it (cluster/config.py), else the fraction."""
+        groups = getattr(self.host, "groups", None) or {}
+        return float(groups.get("wedge_after_s") or WEDGE_FRACTION * self.deadline_s())
 
     def _stopped(self) -> bool:
         stopped = getattr(self.host, "_stopped", None)
@@ -232,11 +238,11 @@ class RankWatch:
             record.pending = None  # asked again once it is back
             return
         silent = now - record.asked_at if record.pending is not None else 0.0
-        limit = WEDGE_FRACTION * deadline
+        limit = self.wedge_after_s()
         if record.pending is not None and silent > limit and now - record.alive_since > limit:
             record.state = "wedged"
             record.reason = (f"alive (Ray) but no answer to a progress probe for {silent:.1f} s "
-                             f"(limit {limit:.1f} s, {WEDGE_FRACTION:g} x comm.timeout_s)")
+                             f"(limit {limit:.1f} s, comm.wedge_after_s)")
             if record.killed_incarnation != incarnation:
                 self._kill(record, silent)
             return
@@ -309,7 +315,7 @@ class RankWatch:
                 "since_answer_s": None if record.answered_at is None else round(now - record.answered_at, 3),
                 "progress": record.counter,
             })
-        return {"time": wall, "deadline_s": self.deadline_s(), "wedge_after_s": WEDGE_FRACTION * self.deadline_s(),
+        return {"time": wall, "deadline_s": self.deadline_s(), "wedge_after_s": self.wedge_after_s(),
                 "ranks": ranks, "wedged": wedged, "watch_error": self.last_error}
 
 

@@ -73,6 +73,9 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 WorkerMap = dict[NonNegative, list[NonNegative]]  # worker id -> logical experts
+# custom Ray resources an actor asks for: name -> amount (placement.worker_resources)
+RayResources = dict[str, PositiveFloat]
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
 class Device(enum.Enum):
@@ -120,14 +123,35 @@ class PlacementSection(_Section):
     workers_per_node: Positive = 1  # workers sharing one placement-group bundle (one node)
     experts: WorkerMap | None = None  # explicit only: worker -> logical experts
     layers: dict[NonNegative, WorkerMap] | None = None  # explicit only: MoE layer -> map
+    # Custom Ray resources added to each expert worker's placement-group bundle (amounts per
+    # worker) and to each router actor: with a `ray up` file whose expert node type carries
+    # the worker resource (cluster/ray-up/, docs/DEPLOY.md), workers are placed only on
+    # expert nodes, and Ray's autoscaler launches one when a deploy or a grow finds no room.
+    worker_resources: RayResources = {}
+    router_resources: RayResources = {}
+
+
+# A rank silent this long is wedged (actors/rank_watch.py), unless comm.wedge_after_s says
+# otherwise: WEDGE_FRACTION of comm.timeout_s (found within the exchange deadline), at most
+# WEDGE_CAP_S (a probe is answered by the rank's own call threads, whatever its step is doing,
+# so a long deadline for slow steps need not mean a long wait for a frozen process).
+WEDGE_FRACTION = 0.8
+WEDGE_CAP_S = 10.0
 
 
 class CommSection(_Section):
     backend: CommBackend = CommBackend.AUTO
     timeout_s: PositiveFloat = 30.0
+    wedge_after_s: PositiveFloat | None = None  # None: min(0.8 x timeout_s, 10 s)
     # NCCL's settings for every GPU actor (routers, workers), through Ray's runtime_env
     # env_vars: network plugin, interfaces, libfabric (cluster/gpu_env.py, docs/DEPLOY.md).
     nccl_env: dict[str, str | int] = msgspec.field(default_factory=dict)
+
+    def wedge_limit_s(self) -> float:
+        """How long a rank may leave the controller's probe unanswered before it is wedged."""
+        if self.wedge_after_s is not None:
+            return self.wedge_after_s
+        return min(WEDGE_FRACTION * self.timeout_s, WEDGE_CAP_S)
 
 
 class CapacitySection(_Section):
@@ -369,6 +393,14 @@ def _cross_field_problem(config: ClusterConfig) -> str | None:
             f"comm.backend: {backend} moves CPU tensors only, so it cannot serve device: cuda; "
             f"set comm.backend: nccl (or auto) for GPUs, or device: cpu to keep {backend}"
         )
+    for field_name in ("worker_resources", "router_resources"):
+        for resource in getattr(placement, field_name):
+            if not resource.strip():
+                return f"placement.{field_name}: expected resource names that are non-empty strings; got {resource!r}"
+            if resource in RAY_BUILTIN_RESOURCES or resource.startswith("node:"):
+                return (f"placement.{field_name}.{resource}: a custom Ray resource name is expected (the name a "
+                        f"node type's `resources:` gives, e.g. raymoe_expert); {resource} is Ray's own, set "
+                        f"by raymoe from device and the worker counts")
     if config.autoscale is not None:
         problem = _autoscale_problem(config)
         if problem:

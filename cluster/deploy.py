@@ -27,7 +27,8 @@ from raymoe.actors.attach import NAMESPACE, attach_actors
 from raymoe.actors.controller import Controller
 from raymoe.actors.recovery import join_ep_group
 from raymoe.actors.router import Router, StepFailure
-from raymoe.actors.worker_spec import CPU_SLIVER, LiveWorkers, WorkerSpec, live_worker_handles, start_worker
+from raymoe.actors.worker_spec import (CPU_SLIVER, LiveWorkers, WorkerSpec, live_worker_handles, start_worker,
+                                       worker_bundle)
 from raymoe.cluster.config import ClusterConfig
 from raymoe.cluster.gpu_env import gpu_actor_env
 from raymoe.cluster.ray_connect import connect, requested_address
@@ -235,7 +236,7 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     # w // workers_per_node, so STRICT_SPREAD puts that many workers on each node.
     per_node = config.placement.workers_per_node
     num_bundles = -(-config.expert_workers // per_node)
-    bundle = {"GPU": per_node, "CPU": CPU_SLIVER * per_node} if gpus else {"CPU": CPU_SLIVER * per_node}
+    bundle = worker_bundle(gpus, dict(config.placement.worker_resources), per_node)
     group = placement_group([dict(bundle) for _ in range(num_bundles)],
                             strategy=config.placement.node_strategy.value, name=f"{name}-workers")
     try:
@@ -267,7 +268,8 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     spec = WorkerSpec(name=name, namespace=namespace, model=config.model, dtype=config.dtype.value, gpus=gpus,
                       spare_rows=spare_rows, threads=None if gpus else config.cpu.worker_threads,
                       packed_experts=config.cpu.packed_experts, pin_threads=config.cpu.pin_threads,
-                      max_concurrency=concurrency, runtime_env=runtime_env)
+                      max_concurrency=concurrency, runtime_env=runtime_env,
+                      resources=dict(config.placement.worker_resources))
     workers = [start_worker(spec, w, placement.to_dict(), PlacementGroupSchedulingStrategy(group, w // per_node))
                for w in range(config.expert_workers)]
     # Peers travel by name, never as handles in constructor arguments (ActorsByName).
@@ -280,6 +282,7 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
             # Calls return at once (requests and aborts wait in the router's inbox), except one
             # subscription stream per ingress replica and run-batch's generate calls.
             max_concurrency=ROUTER_CONCURRENCY, max_restarts=-1,
+            resources=dict(config.placement.router_resources),  # e.g. a `ray up` file's router node type
             name=f"{name}-router-{r}", namespace=namespace, **runtime_env,
         ).remote(f"router-{r}", config.model, engine_config(config), placement.to_dict(), worker_refs,
                  backend.value, config.comm.timeout_s, r, config.routers,
@@ -294,7 +297,8 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
                   generation=0)
     # Step 6: the controller (it only reads telemetry and moves weights; it holds none).
     policy = RebalancePolicy(balancer.threshold, balancer.min_gain, balancer.algorithm, balancer.max_copies_per_rebalance)
-    groups = {"router_ids": router_ids, "backend": backend.value, "timeout_s": config.comm.timeout_s}
+    groups = {"router_ids": router_ids, "backend": backend.value, "timeout_s": config.comm.timeout_s,
+              "wedge_after_s": config.comm.wedge_limit_s()}
     controller = ray.remote(Controller).options(
         num_cpus=0 if gpus else CPU_SLIVER, max_concurrency=4 + config.routers, max_restarts=-1,
         name=f"{name}-controller",

@@ -56,6 +56,15 @@ def test_minimum_loads_exactly_as_written(tmp_path):
     assert engine.max_model_len is None and engine.kv_cache_bytes == 512 * 2**20
 
 
+@pytest.mark.parametrize("comm, limit_s", [("", 10.0), ("comm: {timeout_s: 3}\n", 2.4),
+                                            ("comm: {timeout_s: 3, wedge_after_s: 1.5}\n", 1.5),
+                                            ("comm: {wedge_after_s: 20}\n", 20.0)])
+def test_the_wedge_limit_is_a_fraction_of_the_deadline_at_most_10_s_unless_set(comm, limit_s):
+    """A frozen rank holds every other rank until the rank watch's limit: the default 30 s
+    deadline (for slow steps) must not mean 24 s of that (actors/rank_watch.py)."""
+    assert load_cluster_config(MINIMUM + comm).comm.wedge_limit_s() == pytest.approx(limit_s)
+
+
 def test_only_model_is_required():
     config = parse_cluster_config({"model": "/m"})
     assert config.device is Device.AUTO and config.dtype is DType.AUTO
@@ -148,6 +157,7 @@ def explicit(experts: str, extra: str = "") -> str:
         (MINIMUM.replace("dtype: float32", "dtype: fp8"), "dtype: expected one of auto, float32, bfloat16, float16; got 'fp8'"),
         (MINIMUM.replace(MODEL_LINE, ""), "model: required field is missing"),
         (MINIMUM + "comm: {timeout_s: 0}\n", "comm.timeout_s: expected a number > 0; got 0"),
+        (MINIMUM + "comm: {wedge_after_s: 0}\n", "comm.wedge_after_s: expected a number > 0 or null; got 0"),
         (MINIMUM + "comm: {backend: mpi}\n", "comm.backend: expected one of auto, nccl, gloo, sockets; got 'mpi'"),
         (MINIMUM + "capacity: {factor: -0.5}\n", "capacity.factor: expected a number > 0; got -0.5"),
         (MINIMUM + "capacity: {overflow: spill}\n", "capacity.overflow: expected one of none, drop; got 'spill'"),

@@ -155,7 +155,7 @@ def test_explicit_example_answers_and_health_names_a_frozen_router(cache, tmp_pa
         finally:
             os.kill(router, signal.SIGCONT)
         assert status == 503 and answer["status"] == "unhealthy"
-        # silent for 5 s, short of the rank watch's limit (0.8 x comm.timeout_s, 30 s): unresponsive, not yet wedged
+        # silent for 5 s, short of the rank watch's limit (comm.wedge_after_s: 10 s at the default timeout_s 30 s): unresponsive, not yet wedged
         assert answer["reason"] == "router 0: unresponsive (no answer within 5 s)", answer
         deadline = time.monotonic() + 60
         while get(f"{server.url}/health")[0] != 200:  # thawed: healthy again
