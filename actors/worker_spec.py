@@ -20,6 +20,13 @@ from raymoe.actors.expert_worker import ExpertWorker
 CPU_SLIVER = 0.01  # CPU share of an actor on a CPU-only machine
 
 
+def worker_bundle(gpus: bool, resources: dict[str, float], workers: int = 1) -> dict[str, float]:
+    """The placement-group bundle of ``workers`` expert workers: a GPU each (else a CPU
+    sliver each), plus each worker's custom ``resources`` (placement.worker_resources)."""
+    bundle = {"GPU": workers, "CPU": CPU_SLIVER * workers} if gpus else {"CPU": CPU_SLIVER * workers}
+    return {**bundle, **{name: amount * workers for name, amount in resources.items()}}
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     name: str  # the deployment's name: actors are {name}-worker-{w}
@@ -33,10 +40,15 @@ class WorkerSpec:
     pin_threads: bool  # cpu.pin_threads: worker w's serving thread pins itself to core w
     max_concurrency: int
     runtime_env: dict[str, Any] = field(default_factory=dict)  # {"runtime_env": {...}} or {}
+    # placement.worker_resources: custom Ray resources each worker's bundle asks for, so that
+    # bundles fit only the nodes that have them (a `ray up` file's expert node type), and
+    # Ray's autoscaler launches such a node when none has room (docs/DEPLOY.md)
+    resources: dict[str, float] = field(default_factory=dict)
 
     def bundle(self, workers: int = 1) -> dict[str, float]:
-        """One placement-group bundle for ``workers`` workers (a GPU each; a CPU sliver)."""
-        return {"GPU": workers, "CPU": CPU_SLIVER * workers} if self.gpus else {"CPU": CPU_SLIVER * workers}
+        """One placement-group bundle for ``workers`` workers (a GPU each; a CPU sliver; each
+        worker's ``resources``)."""
+        return worker_bundle(self.gpus, self.resources, workers)
 
     def actor_name(self, worker: int) -> str:
         return f"{self.name}-worker-{worker}"
