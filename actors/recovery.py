@@ -352,8 +352,7 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
         is lost does recovery wait for one here (a group needs a router). Returns the routers
         restarted and joining now, and those left out."""
         restarted, left_out = [], []
-        for index, router in enumerate(self.routers):
-            pid = self._router_pid(index)
+        for index, pid in sorted(self._router_pids(list(range(len(self.routers)))).items()):
             if pid is None:
                 left_out.append(index)
             elif pid != self.router_pids[index]:
@@ -372,18 +371,25 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
                 self._router_thread.start()
         return restarted, left_out
 
-    def _router_pid(self, index: int) -> int | None:
-        """Router ``index``'s pid if Ray calls it alive and it answers within
-        ``ROUTER_PING_TIMEOUT_S``; else None (left out for now)."""
-        router = self.routers[index]
-        if self._rank_watch.written_off(f"router {index}"):
-            return None  # wedged (killed) or dead: asking would wait for its restart
-        if actor_table_entry(router._actor_id.hex()).get("State", "ALIVE") != "ALIVE":
-            return None  # dead or restarting: asking would wait for the restart
-        try:
-            return ray.get(router.info.remote(), timeout=ROUTER_PING_TIMEOUT_S)["pid"]
-        except (ray.exceptions.GetTimeoutError, *LOST):
-            return None
+    def _router_pids(self, indices: list[int]) -> dict[int, int | None]:
+        """Each router's pid if Ray calls it alive and it answers within
+        ``ROUTER_PING_TIMEOUT_S`` (all asked at once); else None (left out for now)."""
+        pids: dict[int, int | None] = {}
+        asked = {}
+        for index in indices:
+            router = self.routers[index]
+            if (self._rank_watch.written_off(f"router {index}")  # wedged (killed) or dead
+                    or actor_table_entry(router._actor_id.hex()).get("State", "ALIVE") != "ALIVE"):
+                pids[index] = None  # asking would wait for its restart
+            else:
+                asked[index] = router.info.remote()
+        deadline = time.monotonic() + ROUTER_PING_TIMEOUT_S
+        for index, answer in asked.items():
+            try:
+                pids[index] = ray.get(answer, timeout=max(0.0, deadline - time.monotonic()))["pid"]
+            except (ray.exceptions.GetTimeoutError, *LOST):
+                pids[index] = None
+        return pids
 
     def _readmit_router(self, index: int, pid: int) -> None:
         """A restarted router (its requests moved to live routers) gets the supervisor and the
@@ -405,8 +411,7 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
                     self._wait_restarted(self.routers[index])
                 with self._recover_lock:
                     back = []
-                    for index in sorted(self.routers_out):
-                        pid = self._router_pid(index)
+                    for index, pid in sorted(self._router_pids(sorted(self.routers_out)).items()):
                         if pid is not None:
                             self._readmit_router(index, pid)
                             back.append(index)
