@@ -40,10 +40,11 @@ def attach_actors(name: str, routers: int, workers: int, namespace: str = NAMESP
             raise RuntimeError(f"no running raymoe deployment {name!r} in Ray namespace {namespace!r}: "
                                f"actor {name}-{suffix} not found (start it with raymoe serve)") from None
 
-    router_handles = [actor(f"router-{r}") for r in range(routers)]
     controller = actor("controller")
     status = ray.get(controller.status.remote(), timeout=ATTACH_TIMEOUT_S)
-    workers = status.get("workers", workers)  # the live size: a resize may have changed it (actors/resize.py)
+    routers = status.get("num_routers", routers)  # the live sizes: a resize may have changed them
+    router_handles = [actor(f"router-{r}") for r in range(routers)]
+    workers = status.get("workers", workers)  # (actors/resize.py, actors/router_resize.py)
     worker_handles = [actor(f"worker-{w}") for w in range(workers)]
     infos = ray.get([w.info.remote() for w in worker_handles], timeout=ATTACH_TIMEOUT_S)
     return AttachedActors(router_handles, worker_handles, controller, status, infos)

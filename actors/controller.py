@@ -41,6 +41,7 @@ import ray
 from raymoe.actors.recovery import (CALL_TIMEOUT_S, LOST, PING_TIMEOUT_S, RECOVERY_FAULT_POINTS, Recovery, _describe,
                                     _gather)
 from raymoe.actors.resize import RESIZE_FAULT_POINTS, Resize
+from raymoe.actors.router_resize import RouterResize
 from raymoe.actors.autoscaler import Autoscaler
 from raymoe.actors.self_heal import HEAL_FAULT_POINTS, SelfHeal
 from raymoe.moe.autoscale_policy import AutoscalePolicy
@@ -77,13 +78,14 @@ class MigrationFailed(RuntimeError):
     """A rebalance's migration failed and a worker was lost in it: its cleanup is left to recovery."""
 
 
-class Controller(Recovery, Resize, Autoscaler, SelfHeal):
+class Controller(Recovery, Resize, RouterResize, Autoscaler, SelfHeal):
     def __init__(self, routers: list[Any], workers: list[Any], placement: dict[str, Any], policy: RebalancePolicy,
                  window_steps: int, interval_steps: int, poll_interval_s: float, enabled: bool,
                  groups: dict[str, Any] | None = None, worker_spec: Any = None,
-                 autoscale: AutoscalePolicy | None = None):
+                 autoscale: AutoscalePolicy | None = None, router_spec: Any = None):
         self._init_recovery()  # generation, recoveries, degraded, ... (actors/recovery.py)
         self._init_resize(worker_spec)  # how to start workers, the resize lock (actors/resize.py)
+        self._init_router_resize(router_spec)  # how to start routers (actors/router_resize.py)
         self.routers = routers
         # How to rebuild communicator groups: router ids, backend, deadline (see recover()).
         self.groups = groups or {}

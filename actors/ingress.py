@@ -36,6 +36,8 @@ from raymoe.actors.http_listener import harden_direct_ingress
 from raymoe.actors.rank_watch import HEALTHY
 from raymoe.actors.router import StepFailure
 from raymoe.actors.router_relay import RouterRelay, sequence_id
+from raymoe.actors.router_resize import RELAY_REFRESH_S
+from raymoe.actors.router_spec import live_router_handles
 from raymoe.actors.serving_metrics import ServingMetrics
 from raymoe.actors.sse import prepend, stream_events
 from raymoe.actors.worker_spec import live_worker_handles
@@ -142,6 +144,7 @@ class OpenAIIngress:
         self._ids = itertools.count()
         self.relay = RouterRelay(self.deployment.routers, self.metrics,  # selection, subscriptions, migration
                                  max_migrations=settings.max_migrations)
+        self._router_refresh: asyncio.Task | None = None  # follows a router resize (_refresh_routers)
         self._prepare_pool = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="raymoe-prepare")
         self._large_pool = ThreadPoolExecutor(max_workers=LARGE_PREPARE_THREADS, thread_name_prefix="raymoe-prepare-large",
                                               initializer=_lower_priority)
@@ -248,35 +251,48 @@ class OpenAIIngress:
 
     @app.post("/admin/scale")
     async def admin_scale(self, request: Request) -> Response:
-        """Grow or shrink the expert pool while serving: ``{"workers": N}`` (actors/resize.py).
-        200 with the report; a refusal answers the status its limit names (400, 409, 503)."""
+        """Grow or shrink the expert pool and/or the router pool while serving: ``{"workers": N}``
+        (actors/resize.py), ``{"routers": M}`` (actors/router_resize.py), or both (workers
+        first). 200 with the report (both: ``{"resizes": [workers', routers']}``); a refusal
+        answers the status its limit names (400, 409, 503)."""
         refusal = self._refuse_admin(request)
         if refusal is not None:
             return refusal
+        self._follow_routers()
         try:
             body = await request.json()
         except ValueError:
             body = None
-        if not isinstance(body, dict):
-            return error_response(RequestError('expected a JSON object such as {"workers": 3}', code="invalid_body"))
-        if body.get("routers") is not None:
-            return error_response(RequestError('resizing routers is not supported yet; only "workers" resizes at '
-                                               "runtime", param="routers", code="unsupported"))
-        workers, timeout_s = body.get("workers"), body.get("ready_timeout_s", 60.0)
-        if type(workers) is not int or type(timeout_s) not in (int, float) or not 0 < timeout_s <= 3600:
-            return error_response(RequestError('"workers" must be an integer (and "ready_timeout_s", if given, '
-                                               "seconds in (0, 3600])", param="workers"))
-        report = await self.deployment.controller.resize.remote(workers, float(timeout_s))
-        report.pop("moved", None)
-        if report.get("resized"):  # this replica's /health asks the live workers from now on
-            self.deployment.workers = await asyncio.to_thread(live_worker_handles, self.settings.deployment,
-                                                              self.settings.namespace)
-        if "error" in report:
-            code = "resize_refused" if report.get("refused") else "resize_failed"
-            detail = "" if report.get("refused") else f"; rolled back: {report.get('rolled_back')}"
-            return error_response(RequestError(f"{report['error']}{detail}", param="workers",
-                                               status=report.get("status", 500), code=code))
-        return JSONResponse(report)
+        if not isinstance(body, dict) or (body.get("workers") is None and body.get("routers") is None):
+            return error_response(RequestError('expected a JSON object such as {"workers": 3} or {"routers": 2}',
+                                               code="invalid_body"))
+        timeout_s = body.get("ready_timeout_s")
+        if timeout_s is not None and (type(timeout_s) not in (int, float) or not 0 < timeout_s <= 3600):
+            return error_response(RequestError('"ready_timeout_s", if given, must be seconds in (0, 3600]',
+                                               param="ready_timeout_s"))
+        reports = []
+        for field_name in ("workers", "routers"):
+            size = body.get(field_name)
+            if size is None:
+                continue
+            if type(size) is not int:
+                return error_response(RequestError(f'"{field_name}" must be an integer', param=field_name))
+            if field_name == "workers":
+                report = await self.deployment.controller.resize.remote(size, float(timeout_s or 60.0))
+                report.pop("moved", None)
+                if report.get("resized"):  # this replica's /health asks the live workers from now on
+                    self.deployment.workers = await asyncio.to_thread(live_worker_handles, self.settings.deployment,
+                                                                      self.settings.namespace)
+            else:
+                options = {} if timeout_s is None else {"ready_timeout_s": float(timeout_s)}
+                report = await self.deployment.controller.resize_routers.remote(size, **options)
+            if "error" in report:
+                code = "resize_refused" if report.get("refused") else "resize_failed"
+                detail = "" if report.get("refused") else f"; rolled back: {report.get('rolled_back')}"
+                return error_response(RequestError(f"{report['error']}{detail}", param=field_name,
+                                                   status=report.get("status", 500), code=code))
+            reports.append(report)
+        return JSONResponse(reports[0] if len(reports) == 1 else {"resizes": reports})
 
     def _refuse_admin(self, request: Request) -> Response | None:
         if self.admin_token is None:
@@ -289,9 +305,36 @@ class OpenAIIngress:
         return None
 
     # ---- serving one request -----------------------------------------------------------
+    def _follow_routers(self) -> None:
+        """Start (once, on this replica's event loop) the task that follows router resizes."""
+        if self._router_refresh is None or self._router_refresh.done():
+            self._router_refresh = asyncio.get_running_loop().create_task(self._refresh_routers())
+
+    async def _refresh_routers(self) -> None:
+        """Every ``RELAY_REFRESH_S``: the routers the controller reports (a resize adds some or
+        retires the highest, actors/router_resize.py) become the relay's; a leaving router gets
+        no new request from here within that time."""
+        while True:
+            await asyncio.sleep(RELAY_REFRESH_S)
+            try:
+                now = await self.deployment.controller.serving_routers.remote()
+                if now["routers"] == len(self.deployment.routers) and now["serving"] == self.relay.serving:
+                    continue
+                handles = await asyncio.to_thread(live_router_handles, self.settings.deployment,
+                                                  self.settings.namespace)
+                if len(handles) < now["routers"]:
+                    continue  # a new router is not named yet: next time
+                self.deployment.routers = handles[:now["routers"]]
+                self.relay.set_routers(self.deployment.routers, now["serving"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # the controller restarting: keep the routers known, ask again
+                LOG.debug("router refresh: %s: %s", type(error).__name__, error)
+
     async def _serve(self, request: Request, endpoint: Endpoint) -> Response:
         """One request, with its real status counted once: its 4xx, 499 when the client went
         away, 500/503 when it failed, 200 when it finished."""
+        self._follow_routers()
         arrived = time.perf_counter()
         label = endpoint.name.lower()
         try:

@@ -571,7 +571,8 @@ class Router:
                 "pinned_core": self.pinned_core, "allocator": allocator_in_use(),
                 "niceness": os.nice(0),
                 "recoveries": self.recoveries, "comm_generation": self.comm_generation,
-                "last_failure": self.last_failure, "warm_up": self.warm_up}
+                "last_failure": self.last_failure, "warm_up": self.warm_up,
+                "generated_tokens": self.generated_tokens}
 
     def shutdown(self) -> None:
         with self._wake:

@@ -3,7 +3,8 @@ and what happens when a router is lost.
 
 - **Selection** (:meth:`RouterRelay.pick`): the router with the fewest of this replica's
   requests in flight (the lowest index among equals), avoiding those that already failed the
-  request.
+  request, among those taking requests (a router resize adds routers and retires the highest:
+  :meth:`RouterRelay.set_routers`, which the ingress calls when the controller reports a change).
 - **Subscription**: one stream per router and replica (``Router.subscribe``): one Ray item per
   router step carries every delta of this replica's requests (not one per token per request),
   and a task per router hands each to its request. When the stream breaks, every request
@@ -57,7 +58,8 @@ class RouterRelay:
     """One ingress replica's requests on the routers ``routers`` (actor handles, by index)."""
 
     def __init__(self, routers: list[Any], metrics: ServingMetrics, max_migrations: int = 3):
-        self.routers = routers
+        self.routers = list(routers)
+        self.serving = len(self.routers)  # routers 0..serving-1 take new requests (set_routers)
         self.metrics = metrics
         self.max_migrations = max_migrations
         self.in_flight = [0] * len(routers)  # this replica's requests on each router
@@ -68,9 +70,26 @@ class RouterRelay:
         self._subscriptions: dict[int, asyncio.Task] = {}
 
     # ---- selection ---------------------------------------------------------------------
+    def set_routers(self, routers: list[Any], serving: int) -> None:
+        """The routers the controller reports now (a router resize, actors/router_resize.py):
+        the first ``serving`` take new requests; the others are leaving and only finish what
+        they hold. Handles are replaced by index and never dropped (a request may still be on a
+        router that left: its loss moves it), so an index keeps meaning one router name."""
+        for index, handle in enumerate(routers):
+            if index < len(self.routers):
+                self.routers[index] = handle
+            else:
+                self.routers.append(handle)
+                self.in_flight.append(0)
+        self.serving = max(1, min(serving, len(routers)))
+
+    def _all_failed(self, failed: set[int]) -> bool:
+        return all(index in failed for index in range(self.serving))
+
     def pick(self, avoid: set[int]) -> int:
         """The router to send a request to (counted in flight until its caller takes it off)."""
-        candidates = [i for i in range(len(self.in_flight)) if i not in avoid] or list(range(len(self.in_flight)))
+        serving = range(self.serving)
+        candidates = [i for i in serving if i not in avoid] or list(serving)
         router = min(candidates, key=lambda i: (self.in_flight[i], i))
         self.in_flight[router] += 1
         return router
@@ -180,7 +199,7 @@ class RouterRelay:
                         return
                     self.metrics.migrations.labels(self.metrics.model_name, "true" if tokens else "false").inc()
                     self.in_flight[router] -= 1
-                    if len(failed) >= len(self.in_flight):  # every router lost it: give a restart a moment
+                    if self._all_failed(failed):  # every router lost it: give a restart a moment
                         await asyncio.sleep(RETRY_PAUSE_S)
                     router = self.pick(failed)  # it continues there after the tokens it produced
                     attempt = f"{request_id}~{migrations}"
@@ -201,7 +220,7 @@ class RouterRelay:
                 return await self.routers[router].score_prompts.remote(prompts, num_top)
             except ROUTER_LOST as error:
                 failed.add(router)
-                if len(failed) >= len(self.in_flight):
+                if self._all_failed(failed):
                     return StepFailure(request_id, f"every router was lost while scoring: {error}",
                                        public="the routers scoring its prompt were lost; retry")
             except Exception as error:  # e.g. the KV cache could not hold the prompts now

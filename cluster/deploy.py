@@ -26,7 +26,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raymoe.actors.attach import NAMESPACE, attach_actors
 from raymoe.actors.controller import Controller
 from raymoe.actors.recovery import join_ep_group
-from raymoe.actors.router import Router, StepFailure
+from raymoe.actors.router import StepFailure
+from raymoe.actors.router_spec import LiveRouters, RouterSpec, live_router_handles, start_router
 from raymoe.actors.worker_spec import (CPU_SLIVER, LiveWorkers, WorkerSpec, live_worker_handles, start_worker,
                                        worker_bundle)
 from raymoe.cluster.config import ClusterConfig
@@ -51,28 +52,6 @@ class RequestFailed(RuntimeError):
 
 
 ACTOR_CONCURRENCY_SLACK = 4  # calls a worker must answer at once (info, migration, re-join)
-ROUTER_CONCURRENCY = 32  # threads a router answers calls on
-
-
-class ActorsByName(list):
-    """Named actors' handles that a constructor argument carries by name: pickled as the
-    names, looked up again (``ray.get_actor``) where the argument is unpickled.
-
-    A handle pickled into an actor's constructor arguments is a reference Ray keeps with the
-    creation task, and for an actor with ``max_restarts`` it logs at error level that "the
-    actor restart will fail" (ray-project/ray#53727) once per process. Names are plain
-    strings, and a restarted router or controller looks its peers up anew."""
-
-    def __init__(self, handles: list[Any], names: list[str], namespace: str):
-        super().__init__(handles)
-        self.names, self.namespace = list(names), namespace
-
-    def __reduce__(self):
-        return _named_actors, (self.names, self.namespace)
-
-
-def _named_actors(names: list[str], namespace: str) -> list[Any]:
-    return [ray.get_actor(name, namespace=namespace) for name in names]
 
 
 def engine_config(config: ClusterConfig) -> EngineConfig:
@@ -152,10 +131,20 @@ class Deployment:
         self.workers = [*self.workers[:len(live)], *live[len(self.workers):]]
         return report
 
+    def resize_routers(self, routers: int, **options: Any) -> dict[str, Any]:
+        """Grow or shrink the router pool to ``routers`` while serving (the controller's
+        ``resize_routers``, actors/router_resize.py); ``self.routers`` then lists the live ones."""
+        report = ray.get(self.controller.resize_routers.remote(routers, **options))
+        live = live_router_handles(self.name, self.namespace)
+        self.routers = [*self.routers[:len(live)], *live[len(self.routers):]]
+        return report
+
     def shutdown(self) -> None:
-        # Workers a resize added live on: find every live one by name, and their bundles.
+        # Workers and routers a resize added live on: find every live one by name, and the bundles.
         live = live_worker_handles(self.name, self.namespace)
         self.workers = list(self.workers) + [w for w in live if w not in self.workers]
+        self.routers = list(self.routers) + [r for r in live_router_handles(self.name, self.namespace)
+                                             if r not in self.routers]
         try:
             ray.get(self.controller.stop.remote(), timeout=15)
         except (ray.exceptions.RayError, TimeoutError):
@@ -204,11 +193,6 @@ def _wait_loaded(workers: list[Any], routers: list[Any], timeout_s: float) -> No
         ray.get(done)  # raises the actor's own error if loading failed
         name = pending.pop(done[0])
         print(f"raymoe: {name} loaded ({total - len(pending)}/{total})", file=sys.stderr, flush=True)
-
-
-def _pin_core(config: ClusterConfig, gpus: bool, threads: int, index: int) -> int | None:
-    """The core index an actor's compute thread pins itself to (actors/cpu_affinity.py), or None."""
-    return index if not gpus and config.cpu.pin_threads and threads == 1 else None
 
 
 def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float = 120.0,
@@ -272,23 +256,17 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
                       resources=dict(config.placement.worker_resources))
     workers = [start_worker(spec, w, placement.to_dict(), PlacementGroupSchedulingStrategy(group, w // per_node))
                for w in range(config.expert_workers)]
-    # Peers travel by name, never as handles in constructor arguments (ActorsByName).
+    # Peers travel by name, never as handles in constructor arguments (LiveWorkers, LiveRouters).
     # (workers by the deployment's name: a resize changes how many there are, actors/worker_spec.py)
     worker_refs = LiveWorkers(workers, name, namespace)
-    router_class = ray.remote(Router)
-    routers = [
-        router_class.options(
-            num_cpus=0 if gpus else CPU_SLIVER, num_gpus=1 if gpus else 0,
-            # Calls return at once (requests and aborts wait in the router's inbox), except one
-            # subscription stream per ingress replica and run-batch's generate calls.
-            max_concurrency=ROUTER_CONCURRENCY, max_restarts=-1,
-            resources=dict(config.placement.router_resources),  # e.g. a `ray up` file's router node type
-            name=f"{name}-router-{r}", namespace=namespace, **runtime_env,
-        ).remote(f"router-{r}", config.model, engine_config(config), placement.to_dict(), worker_refs,
-                 backend.value, config.comm.timeout_s, r, config.routers,
-                 None if gpus else config.cpu.router_threads, _pin_core(config, gpus, config.cpu.router_threads, r))
-        for r in range(config.routers)
-    ]
+    # One recipe for every router, also those a resize adds later (actors/router_spec.py).
+    router_spec = RouterSpec(name=name, namespace=namespace, model=config.model, engine_config=engine_config(config),
+                             backend=backend.value, timeout_s=config.comm.timeout_s, gpus=gpus,
+                             threads=None if gpus else config.cpu.router_threads,
+                             pin_threads=config.cpu.pin_threads, runtime_env=runtime_env,
+                             resources=dict(config.placement.router_resources))  # e.g. a `ray up` router node type
+    routers = [start_router(router_spec, r, config.routers, placement.to_dict(), worker_refs)
+               for r in range(config.routers)]
     # Step 5: every worker has loaded its experts (that can take long: no group deadline
     # covers it), then the one expert-parallel group: routers are ranks 0..R-1, workers follow.
     _wait_loaded(workers, routers, load_timeout_s)
@@ -300,12 +278,13 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
     groups = {"router_ids": router_ids, "backend": backend.value, "timeout_s": config.comm.timeout_s,
               "wedge_after_s": config.comm.wedge_limit_s()}
     controller = ray.remote(Controller).options(
-        num_cpus=0 if gpus else CPU_SLIVER, max_concurrency=4 + config.routers, max_restarts=-1,
+        # (a call per router may wait in recover(): room for a resize to add routers)
+        num_cpus=0 if gpus else CPU_SLIVER, max_concurrency=CONTROLLER_CONCURRENCY + config.routers, max_restarts=-1,
         name=f"{name}-controller",
         namespace=namespace,
-    ).remote(ActorsByName(routers, [f"{name}-router-{r}" for r in range(config.routers)], namespace), worker_refs,
+    ).remote(LiveRouters(routers, name, namespace), worker_refs,
              placement.to_dict(), policy, balancer.window_steps, balancer.interval_steps,
-             balancer.poll_interval_s, balancer.enabled, groups, spec,
+             balancer.poll_interval_s, balancer.enabled, groups, spec, router_spec=router_spec,
              autoscale=config.autoscale.policy() if config.autoscale is not None else None)
     ray.get(controller.status.remote())  # up and reading telemetry before the first request
     ray.get([router.set_supervisor.remote(controller) for router in routers])
@@ -313,6 +292,7 @@ def deploy(config: ClusterConfig, name: str = "raymoe", ready_timeout_s: float =
                       namespace)
 
 
+CONTROLLER_CONCURRENCY = 36  # the controller's call threads, besides one per router at deploy
 GCS_TASK_EVENTS = 10_000  # tasks whose events Ray's GCS keeps, on a Ray raymoe starts (ensure_ray)
 
 

@@ -207,7 +207,10 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"  last decision{ago}: {auto['reason']}")
     resize = status.get("last_resize")
     if resize:
-        if resize.get("resized"):
+        if resize.get("resized") and "routers_before" in resize:  # a router resize (actors/router_resize.py)
+            lines.append(f"\nlast resize: {resize['routers_before']} -> {resize['routers']} routers in "
+                         f"{resize['seconds']:.2f} s (paused {resize['pause_s']:.3f} s)")
+        elif resize.get("resized"):
             lines.append(f"\nlast resize: {resize['workers_before']} -> {resize['workers']} workers in "
                          f"{resize['seconds']:.2f} s (paused {resize['pause_s']:.3f} s, {resize['copies']} expert copies)")
         elif "error" in resize:

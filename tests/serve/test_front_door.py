@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from raymoe.cluster.deploy import ROUTER_CONCURRENCY
+from raymoe.actors.router_spec import ROUTER_CONCURRENCY
 from server_process import served
 
 RAY_OWN_THREADS = 12  # a Ray actor process's own threads beside the call pool (measured: ~5 idle)
