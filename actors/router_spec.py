@@ -4,8 +4,7 @@ engine settings the deploy-time ones got.
 
 :class:`RouterSpec` is plain data (it travels to the controller actor); :func:`start_router`
 starts router ``r`` as ``{name}-router-{r}`` in the Ray namespace. :class:`LiveRouters` is the
-routers' handles as a restartable actor's constructor argument: looked up again by name where
-it is unpickled, as many as are running (a resize changes how many).
+routers' handles as a restartable actor's constructor argument (actors/live_actors.py).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from typing import Any
 
 import ray
 
+from raymoe.actors.live_actors import LiveActors, live_handles
 from raymoe.actors.router import Router
 from raymoe.actors.worker_spec import CPU_SLIVER
 from raymoe.engine.engine import EngineConfig
@@ -63,25 +63,11 @@ def start_router(spec: RouterSpec, router: int, num_routers: int, placement: dic
 
 def live_router_handles(name: str, namespace: str) -> list[Any]:
     """``{name}-router-0``, ``-1``, ... up to the first name Ray does not know."""
-    handles = []
-    while True:
-        try:
-            handles.append(ray.get_actor(f"{name}-router-{len(handles)}", namespace=namespace))
-        except ValueError:
-            return handles
+    return live_handles(name, namespace, "router")
 
 
-class LiveRouters(list):
-    """The deployment's routers' handles, pickled as the deployment's name and looked up again
-    where unpickled (a restarted controller sees the routers a resize added or removed)."""
+class LiveRouters(LiveActors):
+    """The deployment's routers' handles, looked up by name where unpickled
+    (actors/live_actors.py): a restarted controller sees the routers a resize left."""
 
-    def __init__(self, handles: list[Any], name: str, namespace: str):
-        super().__init__(handles)
-        self.name, self.namespace = name, namespace
-
-    def __reduce__(self):
-        return _live_routers, (self.name, self.namespace)
-
-
-def _live_routers(name: str, namespace: str) -> LiveRouters:
-    return LiveRouters(live_router_handles(name, namespace), name, namespace)
+    role = "router"

@@ -15,6 +15,8 @@ from typing import Any
 
 import ray
 
+from raymoe.actors.live_actors import LiveActors, live_handles
+
 from raymoe.actors.expert_worker import ExpertWorker
 
 CPU_SLIVER = 0.01  # CPU share of an actor on a CPU-only machine
@@ -75,31 +77,13 @@ def start_worker(spec: WorkerSpec, worker: int, placement: dict[str, Any], sched
         spec.packed_experts, pin)
 
 
-class LiveWorkers(list):
-    """The deployment's expert workers' handles, pickled as the deployment's name and looked up
-    again where unpickled: ``{name}-worker-0``, ``-1``, ... up to the first name not found.
+class LiveWorkers(LiveActors):
+    """The deployment's expert workers' handles, looked up by name where unpickled
+    (actors/live_actors.py): a restarted router or controller sees the pool a resize left."""
 
-    A constructor argument of a restartable actor (a router, the controller) is unpickled again
-    at each restart; after a resize the pool has another size than at deploy, and a fixed list
-    of names would name workers that no longer exist (or miss added ones)."""
-
-    def __init__(self, handles: list[Any], name: str, namespace: str):
-        super().__init__(handles)
-        self.name, self.namespace = name, namespace
-
-    def __reduce__(self):
-        return _live_workers, (self.name, self.namespace)
+    role = "worker"
 
 
 def live_worker_handles(name: str, namespace: str) -> list[Any]:
     """``{name}-worker-0``, ``-1``, ... up to the first name Ray does not know."""
-    handles = []
-    while True:
-        try:
-            handles.append(ray.get_actor(f"{name}-worker-{len(handles)}", namespace=namespace))
-        except ValueError:
-            return handles
-
-
-def _live_workers(name: str, namespace: str) -> LiveWorkers:
-    return LiveWorkers(live_worker_handles(name, namespace), name, namespace)
+    return live_handles(name, namespace, "worker")
