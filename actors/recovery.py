@@ -398,7 +398,8 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
         ray.get([router.set_supervisor.remote(ray.get_runtime_context().current_actor),
                  router.set_placement.remote(self.placement.to_dict())], timeout=CALL_TIMEOUT_S)
         self.router_pids[index] = pid
-        self.cursors[index] = 0
+        self.cursors[index] = 0  # a new process counts its steps from 0
+        getattr(self, "_autoscale_cursors", {}).pop(index, None)  # (the autoscaler's cursor: actors/autoscaler.py)
 
     def _reinclude_routers(self) -> None:
         """Bring the routers left out back into the group once Ray has restarted them: one

@@ -184,10 +184,18 @@ class RouterResize:
         self.router_pids.extend(pids)
         self.cursors.extend([0] * len(handles))
         self.groups["router_ids"] = [f"router-{r}" for r in range(start + len(handles))]
+        self._forget_cursors(range(start, len(self.routers)))
 
     def _drop_routers(self, keep: int) -> None:
+        self._forget_cursors(range(keep, len(self.routers)))
         del self.routers[keep:], self.router_pids[keep:], self.cursors[keep:]
         self.groups["router_ids"] = [f"router-{r}" for r in range(keep)]
+
+    def _forget_cursors(self, indices: range) -> None:
+        """The autoscaler's telemetry cursors of routers that are new or gone (its next read of
+        a new one only sets it: actors/autoscaler.py)."""
+        for index in indices:
+            getattr(self, "_autoscale_cursors", {}).pop(index, None)
 
     @staticmethod
     def _end_routers(handles: list[Any]) -> None:
