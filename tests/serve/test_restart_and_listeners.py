@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 import time
 
 import pytest
@@ -65,10 +66,19 @@ def test_every_listener_is_on_loopback_and_a_restart_right_after_a_stop_binds(ti
         # Serve's inter-deployment gRPC server, one per replica ("ray::ServeReplica:raymoe:raymoe").
         assert len(wildcard) <= 1 and all(name.startswith("ray::ServeReplica") and address in ("::", "0.0.0.0")
                                           for name, address in wildcard), wildcard
+        # A keep-alive connection left open through the stop: the server's side closes first,
+        # so its end waits in TIME-WAIT on the port (the clients of wait_ready close first,
+        # which leaves theirs on their own ports: whether any was on the server's was chance).
+        held = socket.create_connection(("127.0.0.1", port), timeout=30)
+        held.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert held.recv(65536).startswith(b"HTTP/1.1")
     finally:
         assert first.stop() == 0, first.tail()
     stopped = time.monotonic()
-    waiting = [s for s in tcp_sockets(TCP_TIME_WAIT) if s[1] == port]
+    held.close()  # (the server closed first: this completes its close)
+    deadline = time.monotonic() + 2
+    while not (waiting := [s for s in tcp_sockets(TCP_TIME_WAIT) if s[1] == port]) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert waiting, "no connection of the old server in TIME-WAIT on its port: the restart would prove nothing"
     second = ServerProcess(str(config), str(tmp_path / "second.log"), port=port)
     try:
