@@ -197,9 +197,15 @@ class RouterResize:
         for index in indices:
             getattr(self, "_autoscale_cursors", {}).pop(index, None)
 
-    @staticmethod
-    def _end_routers(handles: list[Any]) -> None:
+    def _end_routers(self, handles: list[Any]) -> None:
+        """End ``handles`` and wait (at most 10 s) until their names are free again, so that a
+        grow right after can start routers under the same names."""
+        names = []
         for router in handles:
+            try:
+                names.append(ray.get(router.info.remote(), timeout=5)["router"])
+            except Exception:
+                pass  # (not started, or lost: its name is freed by Ray all the same)
             try:
                 ray.get(router.shutdown.remote(), timeout=15)
             except Exception:
@@ -208,6 +214,14 @@ class RouterResize:
                 ray.kill(router, no_restart=True)
             except Exception:
                 pass
+        deadline = time.monotonic() + 10
+        for name in names:  # "router-{r}" -> the actor "{deployment}-router-{r}"
+            while time.monotonic() < deadline:
+                try:
+                    ray.get_actor(f"{self.router_spec.name}-{name}", namespace=self.router_spec.namespace)
+                except ValueError:
+                    break
+                time.sleep(0.1)
 
     def _rebuild_quietly(self) -> str:
         try:

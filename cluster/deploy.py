@@ -135,8 +135,9 @@ class Deployment:
         """Grow or shrink the router pool to ``routers`` while serving (the controller's
         ``resize_routers``, actors/router_resize.py); ``self.routers`` then lists the live ones."""
         report = ray.get(self.controller.resize_routers.remote(routers, **options))
-        live = live_router_handles(self.name, self.namespace)
-        self.routers = [*self.routers[:len(live)], *live[len(self.routers):]]
+        count = ray.get(self.controller.serving_routers.remote())["routers"]  # (an ended router's name may
+        live = live_router_handles(self.name, self.namespace)[:count]  # still resolve for a moment)
+        self.routers = [*self.routers[:count], *live[len(self.routers):]]
         return report
 
     def shutdown(self) -> None:
