@@ -205,7 +205,9 @@ def test_a_worker_that_stops_answering_fails_the_step_within_the_deadline(ray_se
     # The step fails with the deadline error naming the peer and the layer; then the
     # controller recovers (tests/actors/test_recovery.py) and the requests still complete.
     timeout_s = 2.0
-    config = cluster_config(tiny_mixtral_dir, comm={"backend": "gloo", "timeout_s": timeout_s},
+    # (the rank watch's limit well past the deadline: at its default, 1.6 s, the watch kills the
+    # frozen worker first, and the step fails on the closed connection instead of the deadline)
+    config = cluster_config(tiny_mixtral_dir, comm={"backend": "gloo", "timeout_s": timeout_s, "wedge_after_s": 60},
                             balancer={"enabled": False})
     deployment = deploy(config, name="ep-stall")
     pid = ray.get(deployment.workers[1].info.remote())["pid"]
