@@ -33,13 +33,13 @@ from typing import Any
 import ray
 
 from raymoe.actors.recovery import CALL_TIMEOUT_S, _describe
+from raymoe.actors.resize import RESIZE_REBALANCE_WAIT_S
 from raymoe.actors.router_spec import start_router
 from raymoe.actors.worker_spec import LiveWorkers
 
 ROUTER_READY_TIMEOUT_S = 300.0  # a new router loads the dense weights and warms its kernels
 ROUTER_DRAIN_TIMEOUT_S = 60.0  # a leaving router's requests may finish there this long
 RELAY_REFRESH_S = 1.0  # how often an ingress relay asks which routers serve (actors/ingress.py)
-RESIZE_REBALANCE_WAIT_S = 30.0
 
 
 class RouterResize:
@@ -114,7 +114,7 @@ class RouterResize:
         try:
             infos = ray.get([router.info.remote() for router in new], timeout=ready_timeout_s)
         except Exception as error:
-            self._end_routers(new)
+            self._end_routers(new, before)
             return self._router_failure(f"new routers did not start within {ready_timeout_s:.0f} s: "
                                         f"{_describe(error)}", started)
         start_s = time.perf_counter() - started
@@ -128,7 +128,7 @@ class RouterResize:
                 self._rebuild_groups(self._members())
             except Exception as error:
                 self._drop_routers(before)
-                self._end_routers(new)
+                self._end_routers(new, before)
                 rolled = self._rebuild_quietly()
                 return self._router_failure(f"rebuilding the group with the new routers failed: {_describe(error)}",
                                             started, rolled)
@@ -157,7 +157,7 @@ class RouterResize:
                     self.last = {"error": f"rebuilding the group after a router shrink: {_describe(error)}",
                                  "time": time.time()}
                 pause_s = time.perf_counter() - paused
-            self._end_routers(leaving)
+            self._end_routers(leaving, target)
         finally:
             self.serving_count = None
         return {"resized": True, "routers": target, "seconds": time.perf_counter() - started, "drain_s": drain_s,
@@ -197,15 +197,10 @@ class RouterResize:
         for index in indices:
             getattr(self, "_autoscale_cursors", {}).pop(index, None)
 
-    def _end_routers(self, handles: list[Any]) -> None:
-        """End ``handles`` and wait (at most 10 s) until their names are free again, so that a
-        grow right after can start routers under the same names."""
-        names = []
+    def _end_routers(self, handles: list[Any], first: int) -> None:
+        """End ``handles`` (routers ``first``, ``first + 1``, ...) and wait (at most 10 s) until
+        their names are free again, so that a grow right after can start routers under them."""
         for router in handles:
-            try:
-                names.append(ray.get(router.info.remote(), timeout=5)["router"])
-            except Exception:
-                pass  # (not started, or lost: its name is freed by Ray all the same)
             try:
                 ray.get(router.shutdown.remote(), timeout=15)
             except Exception:
@@ -215,10 +210,10 @@ class RouterResize:
             except Exception:
                 pass
         deadline = time.monotonic() + 10
-        for name in names:  # "router-{r}" -> the actor "{deployment}-router-{r}"
+        for index in range(first, first + len(handles)):
             while time.monotonic() < deadline:
                 try:
-                    ray.get_actor(f"{self.router_spec.name}-{name}", namespace=self.router_spec.namespace)
+                    ray.get_actor(self.router_spec.actor_name(index), namespace=self.router_spec.namespace)
                 except ValueError:
                     break
                 time.sleep(0.1)
