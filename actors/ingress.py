@@ -25,7 +25,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -39,7 +39,7 @@ from raymoe.actors.router_relay import RouterRelay, sequence_id
 from raymoe.actors.router_resize import RELAY_REFRESH_S
 from raymoe.actors.router_spec import live_router_handles
 from raymoe.actors.serving_metrics import ServingMetrics
-from raymoe.actors.sse import prepend, stream_events
+from raymoe.actors.sse import EventStreamResponse, prepend, stream_events
 from raymoe.actors.worker_spec import live_worker_handles
 from raymoe.engine.api.completions import (
     Endpoint, ModelLimits, PreparedRequest, prepare_request, response_body,
@@ -364,8 +364,7 @@ class OpenAIIngress:
             if isinstance(first, StepFailure):  # refused before any event (a 400)
                 await events.aclose()
                 return self._failure_response(first)
-            return StreamingResponse(prepend(first, events), media_type="text/event-stream",
-                                     headers={REPLICA_HEADER: self.replica})
+            return EventStreamResponse(prepend(first, events), headers={REPLICA_HEADER: self.replica})
         status = 500
         try:
             result = await self._unless_disconnected(request, self._collect(prepared, request_id, arrived))

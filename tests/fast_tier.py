@@ -63,6 +63,7 @@ FAST_TIER = [
     "tests/serve/test_http.py::test_greedy_completions_on_token_ids_equal_the_in_process_engine",
     "tests/serve/test_http.py::test_chat_works_with_the_template",
     "tests/serve/test_http.py::test_health_reports_every_actor",
+    "tests/serve/test_event_stream_response.py::test_a_send_that_raises_closes_the_events_at_once",
     # cluster: config, CLI, import directions
     "tests/cluster/test_config.py::test_minimum_loads_exactly_as_written",
     "tests/cluster/test_config.py::test_errors_name_the_yaml_path",
