@@ -3,12 +3,14 @@ hysteresis band, and no flapping under a steady or wobbling load."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
 import pytest
 
-from raymoe.moe.autoscale_policy import AutoscalePolicy, LoadSample, decide, desired_size
+from raymoe.moe.autoscale_policy import (AutoscalePolicy, LoadSample, QueueFloor, RouterSample, decide,
+                                         decide_routers, desired_routers, desired_size, group_sample)
 
 POLICY = AutoscalePolicy(min_workers=1, max_workers=4, target_rows_per_worker=10.0, band=0.25, cooldown_s=30.0,
                          window_s=10.0)
@@ -144,3 +146,144 @@ def test_bad_policies_are_refused_naming_the_field(fields, message):
     with pytest.raises(ValueError) as error:
         AutoscalePolicy(**values)
     assert message in str(error.value)
+
+
+# ---- routers ---------------------------------------------------------------------------------
+ROUTERS = AutoscalePolicy(min_workers=1, max_workers=4, target_rows_per_worker=10.0, band=0.25, cooldown_s=30.0,
+                          window_s=10.0, min_routers=1, max_routers=4, target_requests_per_router=8.0)
+QUEUE = dataclasses.replace(ROUTERS, target_queue_s=0.2)
+
+
+def held(requests: float, now: float, window_s: float = 10.0, admitted: int = 0, queue_s: float = 0.0):
+    """One poll a second over the window: ``requests`` held in all; ``admitted`` sequences per
+    poll that waited ``queue_s`` each."""
+    return [RouterSample(now - window_s + 1 + i, requests, admitted, admitted * queue_s) for i in range(int(window_s))]
+
+
+def test_group_sample_counts_the_groups_steps_not_every_routers():
+    # 2 routers stepping together, 10 steps each, 40 rows each: 80 rows in 10 group steps
+    sample = group_sample(5.0, [(10, 40.0), (10, 40.0)])
+    assert (sample.steps, sample.rows) == (10, 80.0)
+    # one router idle (no steps recorded): the busy one's steps are the group's
+    assert group_sample(5.0, [(7, 21.0), (0, 0.0)]) == LoadSample(5.0, 7, 21.0)
+    assert group_sample(5.0, []) == LoadSample(5.0, 0, 0.0)
+
+
+def test_desired_routers_is_the_ceiling_within_the_limits():
+    assert [desired_routers(r, ROUTERS) for r in (0, 8, 8.5, 24, 100)] == [1, 1, 2, 3, 4]
+
+
+def test_routers_grow_to_what_the_requests_want_and_shrink_when_idle():
+    d = decide_routers(held(20.0, now=100), 1, None, 100, ROUTERS)
+    assert (d.desired, d.direction) == (3, "up") and d.reason.startswith("grow: 20.0 requests per router"), d
+    assert d.requests == pytest.approx(20.0) and d.queue_s is None
+    d = decide_routers(held(0.0, now=100), 3, None, 100, ROUTERS)
+    assert (d.desired, d.direction) == (1, "down") and d.reason.startswith("shrink: 0.0 requests per router"), d
+    d = decide_routers(held(0.0, now=100), 1, None, 100, ROUTERS)
+    assert d.direction == "hold" and "autoscale.min_routers (1)" in d.reason, d
+    d = decide_routers(held(100.0, now=100), 4, None, 100, ROUTERS)
+    assert d.direction == "hold" and "autoscale.max_routers (4)" in d.reason, d
+
+
+def test_routers_hold_inside_the_band_and_wait_out_cooldown_and_window():
+    # 2 routers, 18 requests: 9 each, inside 6..10
+    assert decide_routers(held(18.0, now=100), 2, None, 100, ROUTERS).direction == "hold"
+    d = decide_routers(held(30.0, now=100), 1, 80.0, 100, ROUTERS)
+    assert d.direction == "hold" and d.reason.startswith("cooling down: last router resize 20.0 s ago"), d
+    quick = dataclasses.replace(ROUTERS, cooldown_s=0.0)
+    d = decide_routers(held(30.0, now=100), 1, 95.0, 100, quick)
+    assert d.direction == "hold" and "5.0 of 10 s since the last router resize" in d.reason, d
+    assert decide_routers(held(30.0, now=100), 1, 90.0, 100, quick).desired == 4
+    d = decide_routers(held(30.0, now=100), 6, None, 100, ROUTERS)
+    assert d.desired == 4 and "outside [1, 4] (autoscale.min_routers/max_routers)" in d.reason, d
+
+
+@pytest.mark.parametrize("requests", [0.0, 5.0, 8.0, 8.5, 16.0, 20.0, 31.0, 40.0])
+def test_a_steady_request_load_reaches_a_fixed_point_in_one_router_resize(requests):
+    for start in range(1, 5):
+        current, resizes, last, now = start, 0, None, 0.0
+        for _ in range(200):
+            now += 2.0
+            d = decide_routers(held(requests, now), current, last, now, ROUTERS)
+            if d.desired != current:
+                current, resizes, last = d.desired, resizes + 1, now
+        assert resizes <= 1, (requests, start, resizes)
+
+
+def test_a_wobbling_request_load_never_flaps_the_routers():
+    rng = random.Random(5)
+    for centre, start in ((8.0, 1), (16.0, 2), (24.0, 3)):
+        current, resizes, last, now, samples = start, 0, None, 0.0, []
+        for _ in range(600):
+            now += 1.0
+            samples.append(RouterSample(now, centre * (1 + rng.uniform(-0.15, 0.15))))
+            d = decide_routers(samples[-20:], current, last, now, ROUTERS)
+            if d.desired != current:
+                current, resizes, last = d.desired, resizes + 1, now
+        assert resizes == 0, (centre, resizes)
+
+
+def queue_at(routers: int, requests: float) -> float:
+    """A made-up router pool whose queue time falls with more routers: 12 places per router."""
+    return 0.5 if requests > 12 * routers else 0.01
+
+
+@pytest.mark.parametrize("keep_floor", [True, False])
+def test_queue_time_grows_the_routers_and_its_floor_stops_the_flap(keep_floor):
+    """20 requests at a target of 25 a router want 1 router by count, but a router has 12
+    places, so at 1 router sequences queue. Queue time grows it to 2; there the queue is short
+    and the count alone would shrink it back to 1 (and so on, once per cooldown): the floor
+    keeps it at 2. Without the floor (keep_floor False) it must flap, or this test proves
+    nothing."""
+    policy = dataclasses.replace(QUEUE, target_requests_per_router=25.0, cooldown_s=5.0, window_s=4.0)
+    current, last, floor, sizes, now, samples = 1, None, None, [], 0.0, []
+    for _ in range(300):
+        now += 1.0
+        samples.append(RouterSample(now, 20.0, 4, 4 * queue_at(current, 20.0)))
+        d = decide_routers(samples[-10:], current, last, now, policy, floor)
+        floor = d.floor if keep_floor else None
+        if d.desired != current:
+            current, last = d.desired, now
+            sizes.append(current)
+    if keep_floor:
+        assert sizes == [2], sizes
+        # the load goes away: the floor clears and the pool shrinks to its minimum
+        for _ in range(60):
+            now += 1.0
+            samples.append(RouterSample(now, 0.0))
+            d = decide_routers(samples[-10:], current, last, now, policy, floor)
+            floor = d.floor
+            if d.desired != current:
+                current, last = d.desired, now
+                sizes.append(current)
+        assert sizes == [2, 1] and floor is None, (sizes, floor)
+    else:
+        assert len(sizes) > 4 and set(sizes) == {1, 2}, sizes
+
+
+def test_a_long_queue_alone_grows_by_one_and_blocks_a_shrink():
+    d = decide_routers(held(4.0, now=100, admitted=2, queue_s=1.0), 1, None, 100, QUEUE)
+    assert (d.desired, d.floor) == (2, QueueFloor(2, 4.0)) and "queue time above 0.250 s" in d.reason, d
+    d = decide_routers(held(4.0, now=100, admitted=2, queue_s=0.18), 3, None, 100, QUEUE)  # 0.15 < 0.18 < 0.25
+    assert d.direction == "hold" and "the queue time is not below 0.150 s" in d.reason, d
+    d = decide_routers(held(4.0, now=100, admitted=2, queue_s=0.01), 3, None, 100, QUEUE)
+    assert d.desired == 1 and d.queue_s == pytest.approx(0.01), d
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(target_requests_per_router=8.0), "min_routers and max_routers are required with target_requests_per_router"),
+    (dict(target_requests_per_router=8.0, min_routers=3, max_routers=2), "1 <= min_routers <= max_routers, got 3..2"),
+    (dict(target_requests_per_router=0.0, min_routers=1, max_routers=2), "target_requests_per_router must be > 0"),
+    (dict(target_queue_s=0.5), "target_queue_s needs target_requests_per_router"),
+    (dict(target_requests_per_router=8.0, min_routers=1, max_routers=2, target_queue_s=0.0),
+     "target_queue_s must be > 0, got 0.0"),
+])
+def test_bad_router_policies_are_refused(fields, message):
+    with pytest.raises(ValueError) as error:
+        AutoscalePolicy(min_workers=1, max_workers=4, target_rows_per_worker=10.0, **fields)
+    assert message in str(error.value)
+
+
+def test_decide_routers_refuses_a_policy_without_router_targets():
+    with pytest.raises(ValueError, match="router autoscaling is off"):
+        decide_routers([], 1, None, 0.0, POLICY)
