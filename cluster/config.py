@@ -248,7 +248,14 @@ class AutoscaleSection(_Section):
     MoE layer per router step, averaged over ``window_s``; the pool grows when its workers run
     more than ``target * (1 + band)`` and shrinks when they run fewer than ``target * (1 - band)``,
     to ``ceil(rows / target)`` workers within ``[min_workers, max_workers]``, at most once per
-    ``cooldown_s``. ``min_routers``/``max_routers`` may only repeat ``routers`` for now."""
+    ``cooldown_s``.
+
+    Routers (on when ``target_requests_per_router`` is set, with ``min_routers`` and
+    ``max_routers``): the requests the routers hold (running + waiting sequences), averaged
+    over ``window_s``, want ``ceil(requests / target_requests_per_router)`` routers, with the
+    same band and cooldown (counted from the last router resize); ``target_queue_s``
+    (optional) also grows the pool by one when the mean queue time is above it by the band.
+    Without a router target, ``min_routers``/``max_routers`` may only repeat ``routers``."""
 
     min_workers: Positive
     max_workers: Positive
@@ -259,12 +266,19 @@ class AutoscaleSection(_Section):
     interval_s: PositiveFloat = 2.0
     min_routers: Positive | None = None
     max_routers: Positive | None = None
+    target_requests_per_router: PositiveFloat | None = None  # running + waiting sequences a router holds
+    target_queue_s: PositiveFloat | None = None  # mean seconds a sequence waits for a place in a batch
 
     def policy(self) -> "AutoscalePolicy":
         from raymoe.moe.autoscale_policy import AutoscalePolicy
 
+        on = self.target_requests_per_router is not None
         return AutoscalePolicy(self.min_workers, self.max_workers, self.target_rows_per_worker, self.band,
-                               self.cooldown_s, self.window_s, self.interval_s)
+                               self.cooldown_s, self.window_s, self.interval_s,
+                               min_routers=self.min_routers if on else None,
+                               max_routers=self.max_routers if on else None,
+                               target_requests_per_router=self.target_requests_per_router,
+                               target_queue_s=self.target_queue_s)
 
 
 class ClusterConfig(_Section):
@@ -436,11 +450,27 @@ def _cross_field_problem(config: ClusterConfig) -> str | None:
 
 def _autoscale_problem(config: ClusterConfig) -> str | None:
     auto = config.autoscale
-    for name in ("min_routers", "max_routers"):
-        value = getattr(auto, name)
-        if value is not None and value != config.routers:
-            return (f"autoscale.{name}: router autoscaling is not supported yet (only the expert pool is "
-                    f"autoscaled); set it to routers ({config.routers}) or leave it out; got {value}")
+    if auto.target_requests_per_router is None:
+        if auto.target_queue_s is not None:
+            return ("autoscale.target_queue_s: needs autoscale.target_requests_per_router (the requests a router "
+                    "holds size the router pool; queue time only adds growth); set both, or leave target_queue_s out")
+        for name in ("min_routers", "max_routers"):
+            value = getattr(auto, name)
+            if value is not None and value != config.routers:
+                return (f"autoscale.{name}: router autoscaling needs autoscale.target_requests_per_router (running + "
+                        f"waiting requests per router); set it, or set {name} to routers ({config.routers}) or leave "
+                        f"it out; got {value}")
+    else:
+        for name in ("min_routers", "max_routers"):
+            if getattr(auto, name) is None:
+                return (f"autoscale.{name}: required with autoscale.target_requests_per_router (the router pool's "
+                        f"limits; routers: {config.routers} is the starting size)")
+        if auto.max_routers < auto.min_routers:
+            return (f"autoscale.max_routers: expected >= autoscale.min_routers ({auto.min_routers}); "
+                    f"got {auto.max_routers}")
+        if not auto.min_routers <= config.routers <= auto.max_routers:
+            return (f"routers: the deployment starts with {config.routers} routers, outside autoscale's "
+                    f"[{auto.min_routers}, {auto.max_routers}]; set routers within autoscale.min_routers..max_routers")
     if auto.max_workers < auto.min_workers:
         return (f"autoscale.max_workers: expected >= autoscale.min_workers ({auto.min_workers}); "
                 f"got {auto.max_workers}")

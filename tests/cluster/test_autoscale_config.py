@@ -13,6 +13,7 @@ from raymoe.moe.autoscale_policy import AutoscalePolicy
 EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "examples" / "cpu-autoscale.yaml"
 BASE = {"model": "/models/m", "routers": 2, "expert_workers": 2}
 GOOD = {"min_workers": 1, "max_workers": 4, "target_rows_per_worker": 8}
+ROUTERS = {"min_routers": 1, "max_routers": 4, "target_requests_per_router": 8}
 
 
 def parse(**autoscale):
@@ -30,13 +31,35 @@ def test_the_example_builds_its_policy():
 
 
 def test_router_limits_equal_to_routers_are_accepted():
-    assert parse(min_routers=2, max_routers=2).autoscale.max_routers == 2
+    config = parse(min_routers=2, max_routers=2)
+    assert config.autoscale.max_routers == 2 and not config.autoscale.policy().routers_on
+
+
+def test_a_router_target_turns_router_autoscaling_on():
+    policy = parse(**ROUTERS, target_queue_s=0.5).autoscale.policy()
+    assert policy.routers_on and (policy.min_routers, policy.max_routers) == (1, 4)
+    assert (policy.target_requests_per_router, policy.target_queue_s) == (8.0, 0.5)
+    assert not parse().autoscale.policy().routers_on  # workers only, as before
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(min_routers=1), "autoscale.min_routers: router autoscaling is not supported yet (only the expert pool "
-                          "is autoscaled); set it to routers (2) or leave it out; got 1"),
-    (dict(max_routers=4), "autoscale.max_routers: router autoscaling is not supported yet"),
+    (dict(min_routers=1), "autoscale.min_routers: router autoscaling needs autoscale.target_requests_per_router "
+                          "(running + waiting requests per router); set it, or set min_routers to routers (2) or "
+                          "leave it out; got 1"),
+    (dict(max_routers=4), "autoscale.max_routers: router autoscaling needs autoscale.target_requests_per_router"),
+    (dict(target_requests_per_router=8), "autoscale.min_routers: required with autoscale.target_requests_per_router"),
+    (dict(target_requests_per_router=8, min_routers=1), "autoscale.max_routers: required with "
+                                                        "autoscale.target_requests_per_router"),
+    (dict(ROUTERS, min_routers=3, max_routers=2), "autoscale.max_routers: expected >= autoscale.min_routers (3); "
+                                                  "got 2"),
+    (dict(ROUTERS, min_routers=3), "routers: the deployment starts with 2 routers, outside autoscale's [3, 4]"),
+    (dict(ROUTERS, target_requests_per_router=0), "autoscale.target_requests_per_router: expected a number > 0 or null; "
+                                                  "got 0"),
+    (dict(ROUTERS, target_requests_per_router="lots"), "autoscale.target_requests_per_router: expected a number > 0 or null; "
+                                                       "got 'lots'"),
+    (dict(ROUTERS, target_queue_s=-1), "autoscale.target_queue_s: expected a number > 0 or null; got -1"),
+    (dict(target_queue_s=0.5), "autoscale.target_queue_s: needs autoscale.target_requests_per_router"),
+    (dict(ROUTERS, min_routers=0), "autoscale.min_routers: expected an integer >= 1 or null; got 0"),
     (dict(min_workers=3, max_workers=2), "autoscale.max_workers: expected >= autoscale.min_workers (3); got 2"),
     (dict(min_workers=3), "expert_workers: the deployment starts with 2 workers, outside autoscale's [3, 4]"),
     (dict(max_workers=1), "expert_workers: the deployment starts with 2 workers, outside autoscale's [1, 1]"),
