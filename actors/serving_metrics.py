@@ -192,3 +192,34 @@ class EngineCollector:
         for direction in ("up", "down"):
             decisions.add_metric([self.model_name, direction], float(auto["decisions"].get(direction, 0)))
         yield decisions
+        if auto.get("routers"):
+            yield from self._router_autoscale_families(auto["routers"])
+
+    def _router_autoscale_families(self, auto: dict[str, Any]) -> Iterator[Metric]:
+        """The router pool's decisions (present only when routers are autoscaled)."""
+        gauge = GaugeMetricFamily
+        yield self._family(gauge, "autoscale_desired_routers", "Routers the autoscaling policy wants",
+                           auto["desired_routers"])
+        yield self._family(gauge, "autoscale_actual_routers", "Routers serving now", auto["actual_routers"])
+        yield self._family(gauge, "autoscale_min_routers", "autoscale.min_routers", auto["min_routers"])
+        yield self._family(gauge, "autoscale_max_routers", "autoscale.max_routers", auto["max_routers"])
+        requests = auto.get("requests")
+        per_router = requests / auto["actual_routers"] if requests is not None and auto["actual_routers"] else 0.0
+        yield self._family(gauge, "autoscale_requests_per_router", "Running + waiting requests each router held, "
+                           "averaged over the policy's window, at the last decision", per_router)
+        yield self._family(gauge, "autoscale_target_requests_per_router", "autoscale.target_requests_per_router",
+                           auto["target_requests_per_router"])
+        if auto.get("target_queue_s") is not None:
+            yield self._family(gauge, "autoscale_router_queue_time_seconds", "Mean time the window's admitted "
+                               "sequences waited for a place in a batch, at the last decision (0: none admitted)",
+                               auto.get("queue_s") or 0.0)
+            yield self._family(gauge, "autoscale_target_queue_time_seconds", "autoscale.target_queue_s",
+                               auto["target_queue_s"])
+        yield self._family(gauge, "autoscale_router_last_decision_timestamp_seconds", "Unix time of the last router "
+                           "decision (0: none yet)", auto["last_decision_time"] or 0.0)
+        decisions = CounterMetricFamily(PREFIX + "autoscale_router_decisions", "Router resizes the autoscaling "
+                                        "policy decided on, by direction (up: grow, down: shrink)",
+                                        labels=["model_name", "direction"])
+        for direction in ("up", "down"):
+            decisions.add_metric([self.model_name, direction], float(auto["decisions"].get(direction, 0)))
+        yield decisions

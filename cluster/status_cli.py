@@ -179,6 +179,11 @@ def _rebalance(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resizing(resizing: dict[str, Any]) -> str:
+    """``status()["resizing"]``: a worker resize's ``workers`` or a router resize's ``routers``."""
+    return f"{resizing['workers']} workers" if "workers" in resizing else f"{resizing.get('routers')} routers"
+
+
 def format_status(status: dict[str, Any]) -> str:
     slots = status["slots_per_worker"]
     lines = [
@@ -187,7 +192,7 @@ def format_status(status: dict[str, Any]) -> str:
         "",
         f"live size: {status.get('workers', len(status['worker2node']))} expert workers, "
         f"{status.get('num_routers', len(status.get('routers', [])))} routers"
-        + (f"   (resizing to {status['resizing']['workers']} workers)" if status.get("resizing") else ""),
+        + (f"   (resizing to {_resizing(status['resizing'])})" if status.get("resizing") else ""),
         "",
         f"{'worker':>6} {'node':>4} {'load':>10}   experts per MoE layer",
     ]
@@ -205,6 +210,17 @@ def format_status(status: dict[str, Any]) -> str:
                      f"(limits {auto['min_workers']}..{auto['max_workers']}, target {auto['target_rows_per_worker']:g} "
                      f"rows per worker; decisions up {auto['decisions']['up']}, down {auto['decisions']['down']})")
         lines.append(f"  last decision{ago}: {auto['reason']}")
+        routers = auto.get("routers")
+        if routers:
+            when = routers.get("last_decision_time")
+            ago = f", {time.time() - when:.0f} s ago" if when else ""
+            queue = (f", queue target {routers['target_queue_s']:g} s" if routers.get("target_queue_s") is not None
+                     else "")
+            lines.append(f"autoscale: {routers['actual_routers']} routers, desired {routers['desired_routers']} "
+                         f"(limits {routers['min_routers']}..{routers['max_routers']}, target "
+                         f"{routers['target_requests_per_router']:g} requests per router{queue}; decisions up "
+                         f"{routers['decisions']['up']}, down {routers['decisions']['down']})")
+            lines.append(f"  last router decision{ago}: {routers['reason']}")
     resize = status.get("last_resize")
     if resize:
         if resize.get("resized") and "routers_before" in resize:  # a router resize (actors/router_resize.py)

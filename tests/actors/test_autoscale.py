@@ -1,8 +1,9 @@
-"""The expert pool sized by load (issue 31 items 2 and 4, actors/autoscaler.py, actors/self_heal.py)
-on a real Ray cluster: the policy grows the pool under load and shrinks it when idle, with
-outputs equal to the in-process engine's throughout and no request lost; its decisions are in
-status and in /metrics; a worker Ray will not restart is replaced, seeded with the lost one's
-experts copied from the survivors, and the pool is back at its size."""
+"""The expert pool and the router pool sized by load (issue 31 items 2 and 4,
+actors/autoscaler.py, actors/self_heal.py) on a real Ray cluster: the policy grows each pool
+under load and shrinks it when idle, with outputs equal to the in-process engine's throughout
+and no request lost; its decisions are in status and in /metrics; a worker Ray will not
+restart is replaced, seeded with the lost one's experts copied from the survivors, and the
+pool is back at its size."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ep_helpers import GREEDY, cluster_config, prompts, reference_engine
 from test_resize import generate_while
+from raymoe.actors.router_spec import live_router_handles
 from raymoe.actors.serving_metrics import ServingMetrics
 from raymoe.cluster.deploy import deploy
 from raymoe.cluster.status_cli import format_status
@@ -102,6 +104,92 @@ def test_grows_under_load_and_shrinks_when_idle_with_equal_outputs(ray_session, 
         deployment.shutdown()
 
 
+# Workers fixed at 1 (min = max); routers 1..2 by the requests they hold: 32 prompts on one
+# router of max_num_seqs 8 are 8 running + 24 waiting, far above 4 a router (grow, capped at
+# 2); idle, 0 requests: back to 1.
+ROUTER_AUTOSCALE = dict(AUTOSCALE, max_workers=1, min_routers=1, max_routers=2, target_requests_per_router=4)
+
+
+def serving_routers(deployment) -> list:
+    """The handles of the routers that take requests now (the controller's count, by name),
+    keeping the handles deploy made (dropping an owner's last handle would end its actor)."""
+    count = ray.get(deployment.controller.serving_routers.remote())["serving"]
+    live = live_router_handles(deployment.name, deployment.namespace)
+    return [*deployment.routers[:count], *live[len(deployment.routers):count]]
+
+
+def test_the_policy_alone_grows_the_routers_under_load_and_shrinks_them_when_idle(ray_session, tiny_mixtral_dir,
+                                                                                 expected):
+    batch, want = expected
+    config = dict(CONFIG, routers=1)
+    deployment = deploy(cluster_config(tiny_mixtral_dir, **config, autoscale=ROUTER_AUTOSCALE), name="router-auto")
+    try:
+        status = deployment.status()
+        auto = status["autoscale"]["routers"]
+        assert status["num_routers"] == 1 and (auto["actual_routers"], auto["desired_routers"]) == (1, 1), auto
+        # Load: batch after batch, on whichever routers serve at the time (bounded), until the
+        # policy has grown the pool to 2 and the new router has served a batch's share.
+        stop, results, errors, shares = threading.Event(), [], [], []
+
+        def load() -> None:
+            try:
+                for _ in range(100):
+                    if stop.is_set():
+                        return
+                    deployment.routers = serving_routers(deployment)
+                    shares.append(len(deployment.routers))
+                    results.append([o.output_token_ids for o in deployment.generate(batch, GREEDY)])
+            except Exception as error:  # re-raised below
+                errors.append(error)
+
+        runner = threading.Thread(target=load)
+        runner.start()
+        try:
+            grown = wait_for(lambda s: s["num_routers"] == 2, "the router pool never grew to 2", deployment)
+            deadline = time.monotonic() + 60
+            while 2 not in shares[-1:] and time.monotonic() < deadline and runner.is_alive():
+                time.sleep(0.2)  # a batch spread over both routers has started
+            count = len(results)
+            while len(results) == count and time.monotonic() < deadline and runner.is_alive():
+                time.sleep(0.2)  # ...and has finished
+        finally:
+            stop.set()
+            runner.join(timeout=120)
+        assert not runner.is_alive() and not errors, errors
+        assert results and all(outputs == want for outputs in results), "outputs differ from the reference"
+        assert 2 in shares, shares
+        assert deployment.telemetry()[1]["generated_tokens"] > 0  # the policy's router served
+        auto = grown["autoscale"]["routers"]
+        assert auto["decisions"]["up"] == 1 and auto["last_resize"]["resized"], auto
+        assert (auto["last_resize"]["routers_before"], auto["last_resize"]["routers"]) == (1, 2), auto
+        assert grown["workers"] == 1 and grown["autoscale"]["decisions"] == {"up": 0, "down": 0}
+        # Idle: the policy shrinks the router pool back to its minimum.
+        idle = wait_for(lambda s: s["num_routers"] == 1, "the idle router pool never shrank to 1", deployment)
+        auto = idle["autoscale"]["routers"]
+        assert auto["decisions"] == {"up": 1, "down": 1} and auto["desired_routers"] == 1, auto
+        assert auto["last_resize"]["resized"] and auto["last_resize"]["routers"] == 1, auto
+        assert idle["counters"]["resize_rollbacks"] == 0
+        deployment.routers = serving_routers(deployment)
+        assert len(deployment.routers) == 1
+        assert [o.output_token_ids for o in deployment.generate(batch[:8], GREEDY)] == want[:8]
+        # Visible in `raymoe status` and in /metrics.
+        text = format_status(idle)
+        assert "autoscale: 1 routers, desired 1 (limits 1..2, target 4 requests per router; decisions up 1, " \
+               "down 1)" in text, text
+        assert "last router decision" in text and auto["reason"] in text, text
+        metrics = ServingMetrics(idle["slots_per_worker"], "m").render(deployment.telemetry(), idle).decode()
+        samples = {(s.name, s.labels.get("direction")): s.value
+                   for family in text_string_to_metric_families(metrics) for s in family.samples}
+        assert samples[("raymoe:autoscale_desired_routers", None)] == 1
+        assert samples[("raymoe:autoscale_actual_routers", None)] == 1
+        assert samples[("raymoe:autoscale_max_routers", None)] == 2
+        assert samples[("raymoe:autoscale_target_requests_per_router", None)] == 4
+        assert samples[("raymoe:autoscale_router_decisions_total", "up")] == 1
+        assert samples[("raymoe:autoscale_router_decisions_total", "down")] == 1
+    finally:
+        deployment.shutdown()
+
+
 def test_a_worker_ray_will_not_restart_is_replaced_and_the_pool_is_whole_again(ray_session, tiny_mixtral_dir,
                                                                               expected):
     batch, want = expected
@@ -184,3 +272,10 @@ def test_the_cooldown_runs_from_the_last_resize_or_the_autoscalers_last_try():
     assert host._last_resize_time() == 10.0  # an operator's refused resize changes nothing
     host.autoscale_last_resize = {"resized": False, "error": "Ray could not place 2 more expert workers", "time": 30.0}
     assert host._last_resize_time() == 30.0
+    # each pool's cooldown runs from its own resizes: a router resize (its report has
+    # routers_before) is not a worker resize, nor the other way round
+    host.autoscale_last_router_resize = None
+    host.resizes.append({"resized": True, "routers_before": 1, "routers": 2, "time": 40.0})
+    assert host._last_resize_time() == 30.0 and host._last_resize_time("routers") == 40.0
+    host.autoscale_last_router_resize = {"resized": False, "error": "a recovery is running", "time": 50.0}
+    assert host._last_resize_time("routers") == 50.0 and host._last_resize_time() == 30.0
