@@ -6,7 +6,9 @@ whether a new placement pays. A rebalance runs layer by layer:
 
 1. copy the layer's new experts worker to worker (from a live copy) with one all-to-all-v on
    the workers' migration group (NCCL on GPUs, gloo on CPUs; separate from dispatch/combine),
-   into free rows of the destination's weight pool;
+   into free rows of the destination's weight pool; each worker runs it in its serving loop
+   between the same two EP collectives, at a mark the routers deliver in an idle tick
+   (``_copy_layer``), so every rank issues the two communicators' collectives in one order;
 2. every worker starts serving the next epoch (old and new epochs side by side);
 3. every router switches to the new table at a step boundary (weights and routing change
    together: a dispatch never sees a half-updated layer);
@@ -43,6 +45,7 @@ from raymoe.actors.recovery import (CALL_TIMEOUT_S, LOST, PING_TIMEOUT_S, RECOVE
 from raymoe.actors.resize import RESIZE_FAULT_POINTS, Resize
 from raymoe.actors.router_resize import RouterResize
 from raymoe.actors.autoscaler import Autoscaler
+from raymoe.actors.expert_worker import migration_mark
 from raymoe.actors.self_heal import HEAL_FAULT_POINTS, SelfHeal
 from raymoe.moe.autoscale_policy import AutoscalePolicy
 from raymoe.moe.placement import PlacementTable
@@ -280,9 +283,9 @@ class Controller(Recovery, Resize, RouterResize, Autoscaler, SelfHeal):
                                     ("rebalance_migrate_peer_missing", "migrate_enter")):
             if self._take_fault(point):
                 ray.get(workers[receivers[-1]].inject_fault.remote(worker_point), timeout=CALL_TIMEOUT_S)
-        progress["calls"] = [w.migrate.remote(current.epoch, layer, table.epoch, sends[i], receives[i])
-                             for i, w in enumerate(workers)]
-        moved = sum(_gather(progress["calls"], MIGRATION_TIMEOUT_S + CALL_TIMEOUT_S))
+        moved = sum(self._copy_layer(workers, [(current.epoch, layer, table.epoch, sends[i], receives[i])
+                                               for i in range(len(workers))],
+                                     migration_mark(table.epoch, layer), MIGRATION_TIMEOUT_S, progress))
         # Step 2: workers serve the new epoch beside the old one.
         progress["step"] = "activate"
         self._fault("rebalance_before_activate")
@@ -298,6 +301,22 @@ class Controller(Recovery, Resize, RouterResize, Autoscaler, SelfHeal):
         progress["step"] = "retire"
         _gather([w.retire.remote(table.epoch) for w in workers])
         return moved
+
+    def _copy_layer(self, workers: list[Any], calls: list[tuple], mark: int, timeout_s: float,
+                    progress: dict[str, Any] | None = None) -> list[int]:
+        """One layer's copy collective on the migration group, ordered against the EP exchange
+        the same way on every rank: every worker queues its part under ``mark`` (``calls[i]``:
+        worker i's ``migrate`` arguments), and only then do the routers get the mark, which
+        they send in an idle tick they all send in the same round; each serving worker runs
+        the copy right after that tick (ExpertWorker.queue_migration). Returns each worker's
+        bytes sent; the first failure raises at once (``progress["calls"]``: the waits, for
+        the failure's cleanup)."""
+        _gather([w.queue_migration.remote(mark, *args) for w, args in zip(workers, calls)])
+        waits = [w.wait_migration.remote(mark, timeout_s) for w in workers]
+        if progress is not None:
+            progress["calls"] = waits
+        _gather([r.mark_migration.remote(mark) for r in self.group_routers()])
+        return _gather(waits, timeout_s + CALL_TIMEOUT_S)
 
     def _migration_failed(self, error: BaseException, current: PlacementTable, table: PlacementTable, layer: int,
                           progress: dict[str, Any]) -> dict[str, Any]:

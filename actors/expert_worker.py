@@ -15,6 +15,18 @@ is only ever read into in place: a restarted worker's reload (:meth:`ExpertWorke
 keeps the rows that hold their expert, moves others within a layer and reads the rest from the
 checkpoint into their rows, so it never holds its experts twice (docs/RELIABILITY.md).
 
+Copies and the EP exchange are ordered the same way on every rank, by construction: a worker
+that serves the EP group never runs a copy collective on a call thread. The controller queues
+each layer's copy on every worker under a *mark* (:meth:`ExpertWorker.queue_migration`), then
+gives the routers that mark (``Router.mark_migration``); the routers send it in an idle tick
+they all send in the same round (wire.HEADER_MARK), and every worker's serving loop runs the
+copy right after the first tick in which every router's mark is that one, before it reads the
+next step's headers. Every worker reads the same sequence of messages from the routers, so on
+every rank the migration all-to-all-v comes between the same two EP collectives (NCCL's rule
+for two communicators on one GPU: every rank issues them in the same order). A worker outside
+the EP group (a grow's new worker, before it joins) has nothing to order against and copies at
+once. ``collectives()`` returns the order this worker saw (a bounded log), so tests compare it.
+
 A migration that fails is undone with :meth:`ExpertWorker.discard_staged`: its epoch's staged
 rows (and the epoch itself, if this worker already activated it) are dropped and the epoch
 can never be staged or activated again here, so a retry must take a new one. ``activate``
@@ -27,8 +39,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -55,6 +69,31 @@ LOG = logging.getLogger("raymoe.worker")
 # collective (its peers are left waiting in it), right after staging the first incoming expert
 # of a migration (the others stay staged), and in activate before anything is committed.
 WORKER_FAULT_POINTS = ("migrate_enter", "migrate_staged", "activate")
+
+
+# Entries of a worker's collective log (ExpertWorker.collectives): its copies and joins, each
+# placed among the EP collectives by their count; bounded, the oldest dropped first.
+COLLECTIVE_LOG_ENTRIES = 512
+MARK_LAYERS = 1 << 16  # migration_mark: (epoch, layer) -> one int, never 0
+
+
+def migration_mark(epoch: int, layer: int) -> int:
+    """The mark of the copy collective that stages MoE layer ``layer`` for ``epoch``: unique for
+    ever, since an epoch is never reused (and never 0, which a tick carries for "none")."""
+    return epoch * MARK_LAYERS + layer + 1
+
+
+@dataclass
+class QueuedCopy:
+    """One layer's copy, queued under ``mark`` until the serving loop of ``exchange`` meets that
+    mark in every router's idle tick (``exchange`` None: this worker serves no EP group; it runs at once)."""
+    mark: int
+    args: tuple
+    exchange: Any
+    done: threading.Event = field(default_factory=threading.Event)
+    started: bool = False
+    result: int | None = None
+    error: BaseException | None = None
 
 
 class InjectedWorkerFault(RuntimeError):
@@ -168,6 +207,13 @@ class ExpertWorker:
         self.max_epoch = 0  # the largest epoch this process ever staged, served or discarded
         self._staging_lock = threading.Lock()  # staging and discarding, from different Ray call threads
         self._faults: dict[str, int] = {}  # worker fault point -> how many more times it fails
+        self._copies: dict[int, QueuedCopy] = {}  # mark -> a copy queued or running (queue_migration)
+        self._copies_lock = threading.Lock()  # the copies above, and which exchange they wait for
+        # Where the serving loop is in this generation's EP collectives (group steps and idle
+        # ticks): 2n between the n-th and the next, 2n+1 inside the next (waiting for it included).
+        self.ep_position = 0
+        self.collective_log: deque = deque(maxlen=COLLECTIVE_LOG_ENTRIES)
+        self._log_lock = threading.Lock()
         self._load_lock = threading.Lock()  # one load_placement at a time
         self.w13: list[torch.Tensor] = []  # per MoE layer: [S + spare, 2I, D]
         self.w2: list[torch.Tensor] = []  # per MoE layer: [S + spare, D, I]
@@ -331,19 +377,27 @@ class ExpertWorker:
         exchange = worker_exchange(comm, layout, self.slots, self.config.hidden_size, self.config.top_k, self.dtype,
                                    self.device, self.executor if self.device.type == "cpu" else None,
                                    intermediate_size=self.config.moe_intermediate_size)
-        self.exchange, self.generation, self.last_error = exchange, generation, None
+        with self._log_lock:
+            self.exchange, self.generation, self.last_error, self.ep_position = exchange, generation, None, 0
+            self.collective_log.append(("join", generation, 0))
         threading.Thread(target=self._serve_loop, args=(exchange,), name=f"worker-{self.worker}-g{generation}",
                          daemon=True).start()
 
     def _serve_loop(self, exchange: WorkerExchange) -> None:
         """Serve group steps until this exchange is replaced or fails. Each step: every MoE
-        layer in order; the first layer's header may instead be an idle tick."""
+        layer in order; the first layer's header may instead be an idle tick, after which the
+        copy queued under the tick's mark runs, if every router's tick carries that mark."""
         self.pinned_core = pin_current_thread(self.pin_core)
         try:
             with torch.inference_mode():
                 while self.exchange is exchange:
+                    self.ep_position += 1  # (odd: inside an EP collective, until the step's last layer)
                     headers = exchange.receive_headers(0)
                     if headers is None:
+                        self.ep_position += 1
+                        marks = exchange.tick_marks
+                        if marks and marks[0] and marks.count(marks[0]) == len(marks):
+                            self._run_marked_copy(marks[0], exchange)
                         continue
                     rows, assignments, compute_s = 0, 0, 0.0
                     pool_rows = self.pool_rows  # one placement view for the whole step
@@ -354,6 +408,7 @@ class ExpertWorker:
                         rows += result.rows
                         assignments += result.assignments
                         compute_s += result.compute_s
+                    self.ep_position += 1
                     self.steps_served += 1
                     self.step_stats.append((rows, assignments, compute_s))
         except Exception as error:  # the group is broken: peers fail fast, the controller rebuilds
@@ -361,6 +416,9 @@ class ExpertWorker:
                 self.last_error = f"{type(error).__name__}: {error}"
                 self.exchange = None
             exchange.comm.abort()
+        finally:  # copies still waiting for this group's tick will never meet it
+            self._cancel_copies("the EP group it waited in for its step boundary ended before the routers' "
+                                "mark arrived", exchange)
 
     # ---- migration ------------------------------------------------------------------
     def migration_rendezvous(self, backend: str) -> Any:
@@ -370,7 +428,7 @@ class ExpertWorker:
 
     def join_migration(self, backend: str, rendezvous: Any, world_size: int, timeout_s: float) -> None:
         """Join the workers' migration group (rank = worker index): a communicator of its own,
-        so copies never share a stream or a sequence of collectives with dispatch/combine."""
+        so copies never share a stream with dispatch/combine (their order: queue_migration)."""
         self.abort_migration()
         self.migration_comm = make_communicator(
             CommBackend(backend), rendezvous, rank=self.worker, world_size=world_size, timeout_s=timeout_s,
@@ -378,16 +436,124 @@ class ExpertWorker:
             bind_host=ray.util.get_node_ip_address(),
         )
         self.migration_joins += 1
+        self._log("migration join", self.migration_joins)
 
     def abort_migration(self) -> None:
         """Abort the migration group (a migration failed): a copy collective waiting in it on
-        this worker fails at once instead of at its deadline. The controller joins a new one."""
+        this worker fails at once instead of at its deadline, and copies queued for a mark fail
+        now. The controller joins a new one."""
+        self._cancel_copies("the migration group was aborted")
         comm, self.migration_comm = self.migration_comm, None
         if comm is not None:
             comm.abort()
 
+    def queue_migration(self, mark: int, epoch: int, layer: int, new_epoch: int, sends: list[tuple[int, int]],
+                        receives: list[tuple[int, int]]) -> str:
+        """Queue one layer's copy (``migrate``'s arguments) under ``mark`` (``migration_mark``);
+        every worker of the migration group queues its part. A worker serving the EP group runs
+        it in its serving loop, after the first idle tick in which every router's mark is
+        ``mark`` (``Router.mark_migration``, given only once every worker has queued it), so on
+        every rank it comes between the same two EP collectives; one serving none runs it at
+        once. Returns where: ``"step boundary"`` or ``"now"``. ``wait_migration`` returns its result."""
+        self._check_epoch_usable(new_epoch, "stage")
+        if self.migration_comm is None:
+            raise RuntimeError(f"worker {self.worker}: no migration group (aborted after a failed migration and "
+                               "not joined again); the controller rebuilds it")
+        with self._copies_lock:
+            if mark in self._copies:
+                raise RuntimeError(f"worker {self.worker}: a copy is queued under mark {mark} already")
+            copy = QueuedCopy(mark, (epoch, layer, new_epoch, sends, receives), self.exchange)
+            self._copies[mark] = copy
+            if copy.exchange is None:  # no EP group on this device: nothing to order the copy against
+                copy.started = True
+        if copy.exchange is None:
+            threading.Thread(target=self._run_copy, args=(copy,), name=f"worker-{self.worker}-copy",
+                             daemon=True).start()
+            return "now"
+        return "step boundary"
+
+    def wait_migration(self, mark: int, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for the copy queued under ``mark``; returns its bytes sent or
+        raises its error (a copy cancelled by ``abort_migration`` raises that)."""
+        copy = self._copies.get(mark)
+        if copy is None:
+            raise RuntimeError(f"worker {self.worker}: no copy queued under mark {mark} (cancelled, or never queued)")
+        if not copy.done.wait(timeout_s):
+            raise TimeoutError(f"worker {self.worker}: the copy under mark {mark} did not finish in {timeout_s:g} s "
+                               f"({'running' if copy.started else 'its step boundary never came'})")
+        with self._copies_lock:
+            if self._copies.get(mark) is copy:
+                del self._copies[mark]
+        if copy.error is not None:
+            raise copy.error
+        return copy.result
+
+    def _run_marked_copy(self, mark: int, exchange: WorkerExchange) -> None:
+        """The serving loop met ``mark`` in every router's tick: run the copy queued under it
+        (if any: a tick repeats a router's mark until it gets another)."""
+        with self._copies_lock:
+            copy = self._copies.get(mark)
+            if copy is None or copy.started or copy.exchange is not exchange:
+                return
+            copy.started = True
+        with torch.inference_mode(False):  # staging writes the pool (normal tensors), as outside the loop
+            self._run_copy(copy)
+
+    def _run_copy(self, copy: QueuedCopy) -> None:
+        generation, before = self.generation, self.ep_position
+        started = time.monotonic()
+        try:
+            copy.result = self.migrate_now(*copy.args)
+        except Exception as error:  # told to the caller of wait_migration; serving goes on
+            copy.error = error
+        finally:
+            epoch, layer, new_epoch = copy.args[:3]
+            self._log("copy", copy.mark, layer, new_epoch, "step boundary" if copy.exchange is not None else "now",
+                      generation if copy.exchange is not None else None, before, self.ep_position,
+                      round(time.monotonic() - started, 6), copy.error is None)
+            copy.done.set()
+
+    def _cancel_copies(self, why: str, exchange: Any = None) -> None:
+        """Fail every copy not started yet (only those waiting for ``exchange``'s ticks, if given)."""
+        with self._copies_lock:
+            for mark, copy in list(self._copies.items()):
+                if copy.started or (exchange is not None and copy.exchange is not exchange):
+                    continue
+                copy.started = True
+                copy.error = RuntimeError(f"worker {self.worker}: the copy under mark {mark} never ran: {why}")
+                del self._copies[mark]
+                copy.done.set()
+
+    def _log(self, kind: str, *details: Any) -> None:
+        """One entry of the collective log: its kind, the EP generation and how many EP
+        collectives of it this worker had served then, and the details."""
+        with self._log_lock:
+            self.collective_log.append((kind, self.generation, self.ep_position, *details))
+
+    def collectives(self) -> dict[str, Any]:
+        """The order in which this worker met the collectives of its two communicators: a
+        bounded log (``COLLECTIVE_LOG_ENTRIES``, oldest dropped) of EP group joins
+        ``("join", generation, 0)``, migration group joins ``("migration join", generation,
+        position, joins)`` and copies ``("copy", generation, position, mark, layer, epoch, where,
+        served_generation, position_before, position_after, seconds, ok)``. A position places an
+        entry among the EP collectives (group steps and idle ticks) of its generation: ``2n``
+        right after the n-th, ``2n + 1`` inside the next one (its wait included), so a copy
+        ordered between two EP collectives starts and ends at the same even position."""
+        with self._log_lock:
+            return {"worker": self.worker, "generation": self.generation, "ep_position": self.ep_position,
+                    "serving": self.exchange is not None, "log": [list(entry) for entry in self.collective_log]}
+
     def migrate(self, epoch: int, layer: int, new_epoch: int, sends: list[tuple[int, int]],
                 receives: list[tuple[int, int]]) -> int:
+        """One layer's copy, on this call's thread: only on a worker that serves no EP group (a
+        serving worker copies at a marked step boundary only: ``queue_migration``)."""
+        if self.exchange is not None:
+            raise RuntimeError(f"worker {self.worker} serves the EP group: its copies run between EP steps at a "
+                               "mark every rank agrees on (queue_migration, Router.mark_migration, wait_migration)")
+        return self.migrate_now(epoch, layer, new_epoch, sends, receives)
+
+    def migrate_now(self, epoch: int, layer: int, new_epoch: int, sends: list[tuple[int, int]],
+                    receives: list[tuple[int, int]]) -> int:
         """Copy experts worker to worker over the migration group; every worker calls it.
 
         sends: ``(destination worker, expert)`` this worker sends from what it serves in ``epoch``;
@@ -395,6 +561,7 @@ class ExpertWorker:
         ``new_epoch`` (with the expert, ``activate`` checks that its table puts that expert there).
         Both lists are in the order the controller made them, so the k-th expert a source sends
         to a destination is the k-th that destination receives from it. Returns bytes sent.
+        Runs on the serving loop (a marked step boundary) or where no EP group is served.
         """
         self._check_epoch_usable(new_epoch, "stage")
         comm = self.migration_comm
@@ -574,6 +741,7 @@ class ExpertWorker:
 
     def reset_comms(self) -> None:
         """Abort every communicator (a peer failed); the supervisor builds new groups next."""
+        self._cancel_copies("the groups were reset")
         exchange, self.exchange = self.exchange, None
         for comm in [*([exchange.comm] if exchange else []), *([self.migration_comm] if self.migration_comm else [])]:
             comm.abort()

@@ -52,6 +52,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raymoe.actors.recovery import CALL_TIMEOUT_S, PING_TIMEOUT_S, _describe, _gather, join_ep_group
+from raymoe.actors.expert_worker import migration_mark
 from raymoe.actors.worker_spec import start_worker
 from raymoe.moe.placement import PlacementTable
 from raymoe.moe.resize_plan import ResizeRefused, check_size, plan_grow, plan_shrink, truncate
@@ -315,15 +316,17 @@ class Resize:
 
     def _copy(self, workers: list[Any], epoch: int, table: PlacementTable, copies: list[Any]) -> int:
         """Every layer's copies, one all-to-all-v a layer on the migration group (every worker
-        calls ``migrate``), staged under ``table``'s epoch. Returns bytes sent."""
+        runs its part; a serving one at the step boundary the routers mark: ``_copy_layer``),
+        staged under ``table``'s epoch. Returns bytes sent."""
         slots, moved = table.slots_per_worker, 0
         for layer in sorted({c.layer for c in copies}):
             mine = [c for c in copies if c.layer == layer]
             sends = [[(c.destination_worker, c.expert) for c in mine if c.source_worker == w] for w in range(len(workers))]
             receives = [[(c.source_worker, c.destination_slot % slots, c.expert) for c in mine
                          if c.destination_worker == w] for w in range(len(workers))]
-            calls = [w.migrate.remote(epoch, layer, table.epoch, sends[i], receives[i]) for i, w in enumerate(workers)]
-            moved += sum(_gather(calls, RESIZE_COPY_TIMEOUT_S))
+            moved += sum(self._copy_layer(workers, [(epoch, layer, table.epoch, sends[i], receives[i])
+                                                    for i in range(len(workers))],
+                                          migration_mark(table.epoch, layer), RESIZE_COPY_TIMEOUT_S))
         return moved
 
     def _fault_into(self, workers: list[Any], point: str) -> None:

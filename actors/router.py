@@ -179,6 +179,9 @@ class Router:
         self.last_failure: dict[str, Any] | None = None
         self.idle_rounds = 0
         self.generated_tokens = 0  # tokens this router sampled since start (aborted requests' too)
+        # The controller's migration mark (mark_migration) and the last one this router's idle
+        # ticks carried: a new one is sent in an idle tick the routers agree on (_step_loop).
+        self.migration_mark = self._mark_sent = 0
 
     def _warm_up(self) -> dict[str, Any]:
         """Run once what compiles or loads kernels on first use, outside any group: the
@@ -281,7 +284,8 @@ class Router:
                 if self.experts.exchange is None:
                     self._wake.wait(NOT_JOINED_WAIT_S)
                     continue
-                wait_s = None if self._pending_work() else idle_wait_s(self.group_routers, self.idle_rounds)
+                wait_s = None if self._pending_work() or self.migration_mark != self._mark_sent \
+                    else idle_wait_s(self.group_routers, self.idle_rounds)
                 if wait_s is not None:
                     self._wake.wait(wait_s)
                     if self._stopped:
@@ -293,11 +297,19 @@ class Router:
                 continue
             step_started = time.monotonic()
             failure, outputs = None, []
+            mark = self.migration_mark
             try:
-                if not exchange.agree_to_step(has_work):
+                # A new migration mark goes out first, in an idle tick every router sends in the
+                # same round (the agreement says whether any router has one): the workers run the
+                # copy queued under it once every router's tick carries it (actors/expert_worker.py).
+                step, tick = exchange.agree_round(has_work, mark != self._mark_sent)
+                if tick:
+                    exchange.idle_tick(mark)
+                    self._mark_sent = mark
+                if not step:
                     self.idle_rounds += 1
-                    if self.group_routers == 1 or self.idle_rounds % TICK_ROUNDS == 0:
-                        exchange.idle_tick()
+                    if not tick and (self.group_routers == 1 or self.idle_rounds % TICK_ROUNDS == 0):
+                        exchange.idle_tick(mark)
                     continue
                 self.idle_rounds = 0
                 with self._lock:
@@ -561,6 +573,14 @@ class Router:
                 self.telemetry.resize(table.num_slots, table.num_workers)
             self.experts.set_placement(table)
         return table.epoch
+
+    def mark_migration(self, mark: int) -> None:
+        """Carry migration ``mark`` in this router's idle ticks from now on, the first one sent
+        at once (actors/expert_worker.py: a copy queued under a mark runs on every worker at
+        the first tick that every router's carries it)."""
+        with self._wake:
+            self.migration_mark = mark
+            self._wake.notify_all()
 
     def placement_epoch(self) -> int:
         return self.experts.placement.epoch

@@ -24,6 +24,7 @@ from raymoe.kernels.comm.base import Communicator
 from raymoe.kernels.comm.errors import CollectiveMismatch, CommError
 from raymoe.kernels.comm.wire import (
     HEADER_KIND,
+    HEADER_MARK,
     TRAILER_BYTES,
     GroupLayout,
     Info,
@@ -129,7 +130,8 @@ class NativeWorkerExchange(WorkerExchange):
         if status == _DONE:
             return WorkerLayerResult(rows=info[_ROWS], assignments=info[_ASSIGNMENTS],
                                      compute_s=info[_COMPUTE_NS] * 1e-9)
-        if status == _IDLE:
+        if status == _IDLE:  # (the headers were read into ``flat``: each router's mark is there)
+            self.tick_marks = [flat[r * width + HEADER_MARK] for r in range(len(routers))]
             return None
         if status == _HEADERS_READ:
             return flat

@@ -34,6 +34,7 @@ from raymoe.kernels.comm.wire import (
     HEADER_EPOCH,
     HEADER_FIELDS,
     HEADER_KIND,
+    HEADER_MARK,
     HEADER_ROWS,
     KIND_IDLE,
     KIND_STEP,
@@ -118,6 +119,7 @@ class PythonWorkerExchange(WorkerExchange):
                 raise CollectiveMismatch(tag=tag, peer=rank, world_size=self.layout.world_size)
             kinds.add(fields[HEADER_KIND])
         if kinds == {KIND_IDLE} and layer == 0:
+            self.tick_marks = [fields[HEADER_MARK] for fields in headers]
             return None
         if kinds != {KIND_STEP}:
             raise CommError(f"collective {tag!r}: routers disagree on whether this is a step (kinds {sorted(kinds)})")

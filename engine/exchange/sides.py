@@ -197,18 +197,26 @@ class RouterExchange(ABC):
             per_layer[layer] = max(per_layer.get(layer, 0.0), second)
         return sum(per_layer.values())
 
-    def idle_tick(self) -> None:
-        """Tell every worker that no step comes now (in the first layer's place)."""
+    def idle_tick(self, mark: int = 0) -> None:
+        """Tell every worker that no step comes now (in the first layer's place). ``mark``: this
+        router's migration mark, in the header's epoch field (wire.HEADER_MARK; 0: none)."""
         tag = layer_tag(0, "dispatch")
-        self.comm.transfer([(rank, header(0, tag, 0, KIND_IDLE, [0] * self.slots_per_worker, self.device))
+        self.comm.transfer([(rank, header(0, tag, mark, KIND_IDLE, [0] * self.slots_per_worker, self.device))
                             for rank in self._rank_of_worker.values()], [], tag=tag)
 
     def agree_to_step(self, active: bool, timeout_s: float | None = None) -> bool:
         """Routers only: does any router have work this step? (one flag to and from each router)."""
+        return self.agree_round(active, False, timeout_s)[0]
+
+    def agree_round(self, active: bool, tick: bool, timeout_s: float | None = None) -> tuple[bool, bool]:
+        """Routers only: does any router have work this step, and does any want an idle tick
+        sent first (a new migration mark to deliver)? One int to and from each router, as
+        ``agree_to_step``; every router gets the same two answers."""
         if self.layout.num_routers == 1:
-            return active
+            return active, tick
         tag = "step begin"
-        mine = to_device(torch.tensor([int(active), tag_checksum(tag)], dtype=torch.int64), self.device)
+        mine = to_device(torch.tensor([int(active) | int(tick) << 1, tag_checksum(tag)], dtype=torch.int64),
+                         self.device)
         others = [rank for rank in self.layout.router_ranks if rank != self.router_index]
         received = torch.empty(len(others), 2, dtype=torch.int64, device=self.device)
         self.comm.transfer([(rank, mine) for rank in others], [(rank, received[i]) for i, rank in enumerate(others)],
@@ -217,7 +225,7 @@ class RouterExchange(ABC):
         for rank, (_, checksum) in zip(others, flags):
             if checksum != tag_checksum(tag):
                 raise CollectiveMismatch(tag=tag, peer=rank, world_size=self.layout.world_size)
-        return active or any(flag for flag, _ in flags)
+        return active or any(flag & 1 for flag, _ in flags), tick or any(flag & 2 for flag, _ in flags)
 
 
 @dataclass(frozen=True)
@@ -240,10 +248,13 @@ class WorkerExchange(ABC):
         self.top_k, self.hidden_size, self.dtype, self.device = top_k, hidden_size, dtype, device
         self.row_bytes, self.activation_bytes = self.format.row_bytes, self.format.activation_bytes
         self._routers = layout.router_ranks
+        # The last idle tick's migration mark from each router (wire.HEADER_MARK), in rank order.
+        self.tick_marks: list[int] = []
 
     @abstractmethod
     def receive_headers(self, layer: int, timeout_s: float | None = None) -> list[list[int]] | None:
-        """One header per router (host ints), or None for an idle tick (no step now)."""
+        """One header per router (host ints), or None for an idle tick (no step now; each
+        router's migration mark is then in ``tick_marks``)."""
 
     @abstractmethod
     def serve_layer(self, layer: int, headers: list[list[int]] | None, w13: torch.Tensor, w2: torch.Tensor,

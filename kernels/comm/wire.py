@@ -23,7 +23,11 @@ built with, which the loader and tests/kernels/test_native_cpu.py compare with t
   2. combine, worker -> router: the rows' weighted sums (D activations each), then the
      :data:`TRAILER` (float64 expert seconds, int64 combine tag checksum).
 
-  A header of kind ``KIND_IDLE`` in the first layer's place says "no step".
+  A header of kind ``KIND_IDLE`` in the first layer's place says "no step" (an *idle
+  tick*). Its epoch field (:data:`HEADER_MARK`) carries the router's migration mark (0:
+  none): when every router's tick carries the same mark, every worker runs the expert copy
+  queued under that mark right there, between two EP collectives, so copies and the EP
+  exchange are ordered the same way on every rank (actors/expert_worker.py).
 - **Native statuses** (:class:`Status`, :data:`STATUSES`): what a native routine of the
   exchange returns, who turns it into which error, with details in an ``Info`` array.
 """
@@ -129,6 +133,7 @@ HEADER_ROWS, HEADER_CHECKSUM, HEADER_EPOCH, HEADER_KIND = range(4)  # int64 fiel
 HEADER_FIELDS = 4
 KIND_STEP = 1  # a layer of a step
 KIND_IDLE = 2  # no step now (in the first layer's place only)
+HEADER_MARK = HEADER_EPOCH  # an idle tick's epoch field: the router's migration mark (0: none)
 TRAILER = struct.Struct("=dq")  # float64 expert seconds, int64 tag checksum (native order, as tensor views read it)
 TRAILER_BYTES = TRAILER.size
 

@@ -17,6 +17,7 @@ import ray
 
 from ep_helpers import GREEDY, cluster_config, prompts
 from raymoe.actors.controller import REBALANCE_FAULT_POINTS
+from raymoe.actors.expert_worker import migration_mark
 from raymoe.cluster.deploy import deploy
 from raymoe.engine.engine import EngineConfig, LLMEngine
 from raymoe.moe.placement import PlacementTable
@@ -151,8 +152,12 @@ def test_activate_never_serves_rows_staged_by_a_failed_try(ray_session, skewed):
     try:
         base = deployment.placement
         # Layer 0: expert 4 from worker 1 into worker 0's slot 0, expert 0 the other way.
-        ray.get([w0.migrate.remote(base.epoch, 0, 5, [(1, 0)], [(1, 0, 4)]),
-                 w1.migrate.remote(base.epoch, 0, 5, [(0, 4)], [(0, 0, 0)])])
+        # (serving workers copy at a step boundary the router marks: queued, marked, waited for)
+        mark = migration_mark(5, 0)
+        ray.get([w0.queue_migration.remote(mark, base.epoch, 0, 5, [(1, 0)], [(1, 0, 4)]),
+                 w1.queue_migration.remote(mark, base.epoch, 0, 5, [(0, 4)], [(0, 0, 0)])])
+        ray.get(deployment.routers[0].mark_migration.remote(mark))
+        ray.get([w.wait_migration.remote(mark, 30.0) for w in (w0, w1)])
         assert [info["staged"] for info in worker_infos(deployment)] == [[[5, 0, 0]], [[5, 0, 0]]]
 
         def unchanged(epoch: int) -> dict:  # a plan that leaves every slot as it is
@@ -171,7 +176,7 @@ def test_activate_never_serves_rows_staged_by_a_failed_try(ray_session, skewed):
         with pytest.raises(ray.exceptions.RayTaskError, match="cannot activate epoch 5: it was discarded"):
             ray.get(w1.activate.remote(5, base.epoch, unchanged(5)))
         with pytest.raises(ray.exceptions.RayTaskError, match="cannot stage epoch 5: it was discarded"):
-            ray.get(w1.migrate.remote(base.epoch, 0, 5, [], []))
+            ray.get(w1.queue_migration.remote(migration_mark(5, 1), base.epoch, 0, 5, [], []))
         # A new epoch: worker 0 drops the stale row rather than serve it, the routers switch,
         # and outputs are unchanged.
         ray.get([w.activate.remote(6, base.epoch, unchanged(6)) for w in (w0, w1)])
