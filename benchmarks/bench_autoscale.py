@@ -129,12 +129,16 @@ def start_autoscaling_cluster(args: argparse.Namespace):
     return cluster
 
 
-def node_counts() -> dict[str, int]:
-    import ray
+def node_counts(address: str) -> dict[str, int]:
+    """Live expert and router nodes, read from the GCS directly (``ray.init`` here would make
+    this process a second driver: with one connected, the deploy's first actors were cancelled
+    at creation, "owner failed", in 2 of 2 tries)."""
+    from ray._raylet import GcsClient
 
-    alive = [n for n in ray.nodes() if n["Alive"]]
-    return {"expert_nodes": sum(1 for n in alive if n["Resources"].get(EXPERT)),
-            "router_nodes": sum(1 for n in alive if n["Resources"].get(ROUTER)) - 1}  # (the head has one too)
+    alive = [info for info in GcsClient(address=address).get_all_node_info(timeout=10).values()
+             if info.state == 0]  # GcsNodeInfo.ALIVE
+    return {"expert_nodes": sum(1 for n in alive if n.resources_total.get(EXPERT)),
+            "router_nodes": sum(1 for n in alive if n.resources_total.get(ROUTER)) - 1}  # (the head has one too)
 
 
 def write_config(folder: str, model: str, args: argparse.Namespace) -> str:
@@ -152,7 +156,7 @@ def write_config(folder: str, model: str, args: argparse.Namespace) -> str:
     return config
 
 
-def run_ramp(server: ServeProcess, args: argparse.Namespace, phases: list[tuple[int, float]], with_nodes: bool):
+def run_ramp(server: ServeProcess, args: argparse.Namespace, phases: list[tuple[int, float]], address: str | None):
     """The reference run, then the ramp; returns (reference, records, samples, started)."""
     reference = []
     for i in range(args.prompts):
@@ -199,14 +203,14 @@ def run_ramp(server: ServeProcess, args: argparse.Namespace, phases: list[tuple[
     def watch_nodes() -> None:
         while not done.is_set():
             try:
-                nodes.append({"t": time.monotonic() - started, **node_counts()})
+                nodes.append({"t": time.monotonic() - started, **node_counts(address)})
             except Exception as error:  # noqa: BLE001
                 nodes.append({"t": time.monotonic() - started, "error": str(error)})
             time.sleep(1.0)
 
     threads = [threading.Thread(target=slot, args=(k,), daemon=True) for k in range(max(c for c, _ in phases))]
     threads.append(threading.Thread(target=monitor, daemon=True))
-    if with_nodes:
+    if address:
         threads.append(threading.Thread(target=watch_nodes, daemon=True))
     for thread in threads:
         thread.start()
@@ -321,17 +325,12 @@ def main(argv: list[str] | None = None) -> None:
     build_mixtral(model)
     config = write_config(folder, model, args)
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAYMOE_ADMIN_TOKEN=ADMIN_TOKEN)
-    cluster = None
-    if args.ray == "autoscaling":
-        import ray
-
-        cluster = start_autoscaling_cluster(args)
+    cluster = start_autoscaling_cluster(args) if args.ray == "autoscaling" else None
     try:
         argv_serve = serve_argv(config, free_port())
         if cluster is not None:
-            ray.init(address=cluster.address, logging_level="ERROR")
             deadline = time.monotonic() + 180
-            while node_counts()["expert_nodes"] < 1:  # min_workers 1: the deploy's worker lands there
+            while node_counts(cluster.address)["expert_nodes"] < 1:  # min_workers 1: the deploy's worker lands there
                 if time.monotonic() > deadline:
                     raise RuntimeError("Ray's autoscaler did not launch the first expert node within 180 s")
                 time.sleep(0.5)
@@ -342,12 +341,12 @@ def main(argv: list[str] | None = None) -> None:
         try:
             server.wait_ready(300, interval_s=1)
             print(f"machine: {machine_description()}; Ray: {args.ray}; log: {folder}/serve.log", flush=True)
-            reference, records, samples, nodes, started = run_ramp(server, args, phases, cluster is not None)
+            reference, records, samples, nodes, started = run_ramp(server, args, phases,
+                                                                   cluster.address if cluster else None)
         finally:
             server.stop(90)
     finally:
         if cluster is not None:
-            ray.shutdown()
             cluster.shutdown()
     origin = started  # a monotonic origin: the streams' event times are time.monotonic() too
     failed = sum(is_lost(r, args.tokens) for _, r in records)
