@@ -178,8 +178,8 @@ def run_counted(routers, workers, tiny_mixtral_dir, monkeypatch, max_tokens: int
     counter.install(monkeypatch)
     monkeypatch.setattr(RemoteExperts, "forward", counter.scoped("router layer", RemoteExperts.forward))
     monkeypatch.setattr(RemoteExperts, "complete_step", counter.scoped("router step end", RemoteExperts.complete_step))
-    monkeypatch.setattr(RouterExchange, "agree_to_step", counter.scoped("router step begin",
-                                                                        RouterExchange.agree_to_step))
+    monkeypatch.setattr(RouterExchange, "agree_round", counter.scoped("router step begin",  # (the step loop's agreement)
+                                                                      RouterExchange.agree_round))
     assert all(type(w.exchange) is PythonWorkerExchange for w in workers)  # gloo: the Python side
     monkeypatch.setattr(PythonWorkerExchange, "receive_headers", counter.scoped("worker headers",
                                                                                PythonWorkerExchange.receive_headers))
