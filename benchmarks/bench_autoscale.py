@@ -327,11 +327,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         argv_serve = serve_argv(config, free_port())
         if cluster is not None:
-            # At once, before Ray's autoscaler has added the first expert node (min_workers 1):
-            # the deploy's worker bundle waits for it. (`raymoe serve` joining after that node
-            # was up had the deploy's first actors cancelled at creation, "owner failed", in 3 of
-            # 3 tries; tests/actors/test_ray_autoscaler.py's driver also joins before it.)
+            # The deploy's worker bundle waits for the first expert node (min_workers 1). The
+            # cluster runs without Ray's token authentication (autoscaling_cluster.py); `raymoe
+            # serve` would turn it on where ~/.ray/auth_token exists (cluster/ray_connect.py),
+            # and then the GCS took the driver for dead and cancelled its first actor at creation.
             argv_serve += ["--address", cluster.address]
+            env["RAY_AUTH_MODE"] = "disabled"
         server = ServeProcess(argv_serve, int(argv_serve[argv_serve.index("--port") + 1]),
                               log_path=os.path.join(folder, "serve.log"), env=env)
         server.start()
