@@ -19,7 +19,8 @@ resize are. Its thread, every ``interval_s``:
    the desired number of routers (its cooldown runs from the last router resize);
 3. where one differs from the live size, calls ``resize`` or ``resize_routers`` (which refuse
    while a recovery, a rebalance or another resize runs: the next round decides again) and
-   logs the decision; workers first, then routers, never both at once.
+   logs the decision; workers first, then routers (in a round without a worker resize: one
+   resize at a time).
 
 The last decisions (desired vs actual, the reason, when), the decisions made per pool and
 direction and the last resizes it asked for are in ``status()["autoscale"]`` (``raymoe
@@ -167,7 +168,9 @@ class Autoscaler:
         returns the workers' decision."""
         self._autoscale_read()
         decision = self._autoscale_workers()
-        if self.autoscale_policy.routers_on:
+        # (after a worker resize, which takes seconds, this round's router telemetry is old:
+        # the routers are decided on a fresh read next round)
+        if self.autoscale_policy.routers_on and decision.desired == decision.current:
             self._autoscale_routers()
         return decision
 

@@ -262,7 +262,9 @@ def plot(result: dict, path: str) -> None:
     fig, axes = plt.subplots(4, 1, figsize=(8, 7), sharex=True)
     t = [s["t"] for s in ok]
     axes[0].step([p[0] for p in result["load"]], [p[1] for p in result["load"]], where="post", lw=1.2, label="clients")
-    axes[0].plot(t, [s.get("requests") or 0 for s in ok], lw=0.8, label="requests the routers hold (window mean)")
+    held = [s for s in ok if s.get("requests") is not None]
+    axes[0].plot([s["t"] for s in held], [s["requests"] for s in held], lw=0.8,
+                 label="requests the routers hold (window mean at the last router decision)")
     axes[0].set_ylabel("concurrency", fontsize=8)
     axes[0].legend(fontsize=7, loc="upper right")
     axes[1].step(t, [s["workers"] for s in ok], where="post", lw=1.2, label="expert workers")
