@@ -45,3 +45,21 @@ def test_help_runs():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     result = subprocess.run([sys.executable, PATH, "--help"], capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 0 and "--phases" in result.stdout
+
+
+def test_itl_series_bins_each_gap_where_it_ends(bench):
+    # origin 100, 5 s bins. a: gaps of 10 ms (ends in bin 0), 5990 ms and 40 ms (bin 1);
+    # b: 20 ms (bin 1); b's last event carries no token, so it makes no gap
+    a = {"events": [(100.0, [1]), (100.01, [2]), (106.0, [3]), (106.04, [4])]}
+    b = {"events": [(105.5, [1]), (105.52, [2]), (105.6, [])]}
+    times, p50, p90 = bench.itl_series([a, b], origin=100.0)
+    assert times == [2.5, 7.5]
+    assert p50 == pytest.approx([10.0, 40.0])  # bin 1: [20, 40, 5990]
+    assert p90 == pytest.approx([10.0, 40.0])  # the element at 0.9 * (n - 1), rounded down
+
+
+def test_resizes_are_read_per_pool(bench):
+    router = {"resized": True, "time": 6.0, "routers_before": 1, "routers": 2}
+    samples = [{"last_resize": None, "last_router_resize": router}, {"last_router_resize": router}]
+    assert bench.resizes_seen(samples, "last_router_resize") == [router]
+    assert bench.resizes_seen(samples) == []
