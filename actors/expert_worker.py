@@ -209,6 +209,7 @@ class ExpertWorker:
         self._faults: dict[str, int] = {}  # worker fault point -> how many more times it fails
         self._copies: dict[int, QueuedCopy] = {}  # mark -> a copy queued or running (queue_migration)
         self._copies_lock = threading.Lock()  # the copies above, and which exchange they wait for
+        self._last_mark = 0  # the largest mark queued here
         # Where the serving loop is in this generation's EP collectives (group steps and idle
         # ticks): 2n between the n-th and the next, 2n+1 inside the next (waiting for it included).
         self.ep_position = 0
@@ -460,8 +461,14 @@ class ExpertWorker:
             raise RuntimeError(f"worker {self.worker}: no migration group (aborted after a failed migration and "
                                "not joined again); the controller rebuilds it")
         with self._copies_lock:
-            if mark in self._copies:
-                raise RuntimeError(f"worker {self.worker}: a copy is queued under mark {mark} already")
+            # Marks only grow (epochs are never reused and a copy's layers go in order): a mark
+            # the routers may carry already could meet an old tick before every worker queued it.
+            if mark <= self._last_mark:
+                raise RuntimeError(f"worker {self.worker}: migration mark {mark} is not above the last one queued "
+                                   f"here ({self._last_mark}); a mark is never reused")
+            self._last_mark = mark
+            for old in [old for old, queued in self._copies.items() if queued.done.is_set()]:
+                del self._copies[old]  # ended, and nobody waited for it (a failed migration's): forgotten
             copy = QueuedCopy(mark, (epoch, layer, new_epoch, sends, receives), self.exchange)
             self._copies[mark] = copy
             if copy.exchange is None:  # no EP group on this device: nothing to order the copy against
@@ -521,8 +528,7 @@ class ExpertWorker:
                     continue
                 copy.started = True
                 copy.error = RuntimeError(f"worker {self.worker}: the copy under mark {mark} never ran: {why}")
-                del self._copies[mark]
-                copy.done.set()
+                copy.done.set()  # (kept for its wait_migration, which says why)
 
     def _log(self, kind: str, *details: Any) -> None:
         """One entry of the collective log: its kind, the EP generation and how many EP

@@ -25,9 +25,16 @@ import pytest
 import ray
 
 from ep_helpers import GREEDY, cluster_config, prompts
+from raymoe.actors.expert_worker import ExpertWorker, migration_mark
+from raymoe.actors.router import Router
 from raymoe.cluster.deploy import deploy
 from raymoe.engine.engine import EngineConfig, LLMEngine
+from raymoe.engine.exchange.native_sides import NativeWorkerExchange
+from raymoe.engine.exchange.python_sides import PythonWorkerExchange
+from raymoe.engine.hf_config import load_model_config
 from raymoe.engine.sampling_params import SamplingParams
+from raymoe.kernels.comm import CommBackend, new_rendezvous
+from raymoe.moe.initial_placement import initial_placement
 from tiny_models import build_skewed_model, write_checkpoint
 
 SKEWED = {"strategy": "explicit", "experts": {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}}
@@ -129,3 +136,81 @@ def test_every_rank_sees_copies_and_ep_steps_in_the_same_order(ray_session, skew
         assert total >= 3, per_worker  # the first rebalance's, the grow's (old workers), the second rebalance's
     finally:
         deployment.shutdown()
+
+
+def joined(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "a join hung"
+
+
+@pytest.mark.parametrize("backend,side", [("gloo", PythonWorkerExchange), ("sockets", NativeWorkerExchange)])
+def test_a_copy_runs_only_at_a_tick_every_router_marked(tiny_mixtral_dir, backend, side):
+    """In one process, the real objects: 2 routers and 2 workers in one EP group, the workers in
+    a migration group. A copy queued on both workers does not run while only one router carries
+    its mark (its ticks go out, the other router's carry none); once both do, both workers run it
+    at the same EP position, between two collectives, and stage the expert. A mark is never
+    reused. Both worker sides read the tick's marks: Python (gloo) and native (sockets)."""
+    if side is NativeWorkerExchange:
+        from raymoe.kernels import native_cpu
+        if native_cpu.unavailable_reason() is not None:
+            pytest.skip(f"native CPU kernels: {native_cpu.unavailable_reason()}")
+    config = load_model_config(tiny_mixtral_dir)
+    placement = initial_placement(num_layers=len(config.moe_layers), num_experts=config.num_experts, num_workers=2,
+                                  strategy="round_robin")
+    workers = [ExpertWorker(w, tiny_mixtral_dir, "float32", "cpu", placement.to_dict(), spare_rows=1)
+               for w in range(2)]
+    routers = [Router(f"router-{r}", tiny_mixtral_dir, EngineConfig(dtype="float32"), placement.to_dict(), workers,
+                      backend, 20.0, r, 2) for r in range(2)]
+    try:
+        group = new_rendezvous(CommBackend(backend), host="127.0.0.1", group_name=f"order-ep-{backend}")
+        joined([threading.Thread(target=r.join, args=(group, 0, [0, 1])) for r in routers]
+               + [threading.Thread(target=w.join, args=(backend, group, 2 + w.worker, 2, [0, 1], 20.0))
+                  for w in workers])
+        assert all(type(w.exchange) is side for w in workers)
+        migration = workers[0].migration_rendezvous(backend)
+        joined([threading.Thread(target=w.join_migration, args=(backend, migration, 2, 20.0)) for w in workers])
+        # Layer 0: worker 0's first expert, into worker 1's slot 0 (staged under epoch 7).
+        expert = workers[0].experts[placement.epoch][0][0]
+        mark = migration_mark(7, 0)
+        assert workers[0].queue_migration(mark, placement.epoch, 0, 7, [(1, expert)], []) == "step boundary"
+        assert workers[1].queue_migration(mark, placement.epoch, 0, 7, [], [(0, 0, expert)]) == "step boundary"
+
+        routers[0].mark_migration(mark)  # router 1's ticks still carry no mark: nothing runs
+        deadline = time.monotonic() + 10
+        while routers[0]._mark_sent != mark:
+            assert time.monotonic() < deadline, "router 0 never sent its mark"
+            time.sleep(0.01)
+        for worker in workers:
+            with pytest.raises(TimeoutError, match="its step boundary never came"):
+                worker.wait_migration(mark, 0.3)
+        assert all(w.exchange.tick_marks == [mark, 0] for w in workers), [w.exchange.tick_marks for w in workers]
+
+        routers[1].mark_migration(mark)
+        sent = [w.wait_migration(mark, 10.0) for w in workers]
+        assert sent[0] > 0 and sent[1] == 0, sent
+        assert workers[1].staged == {(7, 0, 0): (workers[1].staged[(7, 0, 0)][0], expert)}
+        copies = [[e for e in w.collectives()["log"] if e[0] == "copy"] for w in workers]
+        assert [len(c) for c in copies] == [1, 1], copies
+        (first,), (second,) = copies
+        assert first[3] == second[3] == mark and first[6] == second[6] == "step boundary" and first[11] and second[11]
+        assert first[8] == first[9] == second[8] == second[9] and first[8] % 2 == 0, (first, second)
+
+        with pytest.raises(RuntimeError, match="is not above the last one queued"):
+            workers[0].queue_migration(mark, placement.epoch, 0, 7, [], [])
+        with pytest.raises(RuntimeError, match="serves the EP group"):
+            workers[0].migrate(placement.epoch, 0, 8, [], [])
+        # A copy queued but never marked fails at once when the migration group is aborted.
+        later = migration_mark(9, 0)
+        workers[0].queue_migration(later, placement.epoch, 0, 9, [], [])
+        workers[0].abort_migration()
+        with pytest.raises(RuntimeError, match="never ran: the migration group was aborted"):
+            workers[0].wait_migration(later, 5.0)
+    finally:
+        for router in routers:
+            router.shutdown()
+        for worker in workers:
+            worker.reset_comms()
+            worker.shutdown()
