@@ -10,8 +10,9 @@ resize are. Its thread, every ``interval_s``:
    (``Router.expert_loads_since``: the telemetry the rebalancer reads; a router that does not
    answer within ``LOAD_READ_TIMEOUT_S`` is skipped that round) into time-stamped samples of
    steps of the group and expert rows per MoE layer (``group_sample``), kept for the
-   policy's window; with router targets also each router's running and waiting sequences and
-   its queue-time histogram's count and sum (``Router.get_telemetry``; the sequences admitted
+   policy's window, with the running and waiting sequences the routers hold (no step but
+   requests held is a stall, not idle); with router targets also each router's queue-time
+   histogram's count and sum (``Router.get_telemetry``; the sequences admitted
    since the last read, and how long they waited) into ``RouterSample``s;
 2. asks :func:`raymoe.moe.autoscale_policy.decide` for the desired number of workers, given
    the pool's size and when it last changed (any worker resize: the autoscaler's, an
@@ -96,12 +97,12 @@ class Autoscaler:
         cursors = {index: self._autoscale_cursors.get(index) for index in range(len(routers))}
         refs = {index: router.expert_loads_since.remote(cursors[index]["loads"] if cursors[index] else 0)
                 for index, router in enumerate(routers)}
-        telemetry = ({index: router.get_telemetry.remote() for index, router in enumerate(routers)}
-                     if self.autoscale_policy.routers_on else {})
+        # (the requests held tell a stalled group from an idle one, for the workers too)
+        telemetry = {index: router.get_telemetry.remote() for index, router in enumerate(routers)}
         everything = [*refs.values(), *telemetry.values()]
         ready = set(ray.wait(everything, num_returns=len(everything), timeout=LOAD_READ_TIMEOUT_S)[0])
         per_router: list[tuple[int, float]] = []
-        requests, admitted, queue_s = 0.0, 0, 0.0
+        requests, admitted, queue_s, read = 0.0, 0, 0.0, False
         for index, ref in refs.items():
             answer = self._answer(ref, ready)
             if answer is None:
@@ -110,6 +111,7 @@ class Autoscaler:
             report = self._answer(telemetry[index], ready) if telemetry else None
             queue = None
             if report is not None:
+                read = True
                 requests += report.get("requests_running", 0) + report.get("requests_waiting", 0)
                 histogram = report.get("queue_time") or {}
                 queue = (int(sum(histogram.get("counts", []))), float(histogram.get("sum", 0.0)))
@@ -125,7 +127,7 @@ class Autoscaler:
                 queue_s += queue[1] - before["queue"][1]
         policy = self.autoscale_policy
         horizon = now - policy.window_s - policy.interval_s
-        self._autoscale_samples.append(group_sample(now, per_router))
+        self._autoscale_samples.append(group_sample(now, per_router, requests if read else None))
         while self._autoscale_samples and self._autoscale_samples[0].time < horizon:
             self._autoscale_samples.popleft()
         if policy.routers_on:

@@ -20,6 +20,8 @@ sample: a poll's time, router steps, assignments per layer) at ``W`` workers:
 - the size that load wants is ``ceil(rows / target)``, clamped to ``[min_workers, max_workers]``;
 - a change is made only outside the hysteresis band: grow when each worker runs more than
   ``target * (1 + band)`` rows, shrink when it runs fewer than ``target * (1 - band)``;
+- a window without a router step is idle only if the routers held no request in it (a
+  stalled group, e.g. a long pause of the machine, holds requests: the pool holds);
 - never within ``cooldown_s`` of the last resize, and only on a window that began after it
   (the samples before it describe the old size): the window must cover ``window_s`` seconds
   since the last resize.
@@ -113,20 +115,22 @@ class AutoscalePolicy:
 @dataclass(frozen=True)
 class LoadSample:
     """What one poll of the routers brought: ``steps`` router steps that handed the pool
-    ``rows`` expert assignments per MoE layer (summed over those steps), read at ``time``."""
+    ``rows`` expert assignments per MoE layer (summed over those steps), read at ``time``;
+    ``requests``: the running + waiting sequences the routers held then (None: not read)."""
 
     time: float
     steps: int
     rows: float
+    requests: float | None = None
 
 
-def group_sample(time: float, per_router: Sequence[tuple[int, float]]) -> LoadSample:
+def group_sample(time: float, per_router: Sequence[tuple[int, float]], requests: float | None = None) -> LoadSample:
     """One poll's :class:`LoadSample` from each answering router's ``(steps, rows)`` since its
     last read. Routers step together, so the group's steps are the most any router made
     (a router without work in a step records none) and the rows are every router's: the rows
     a worker runs per group step do not change when routers are added or removed."""
     return LoadSample(time, max((steps for steps, _ in per_router), default=0),
-                      float(sum(rows for _, rows in per_router)))
+                      float(sum(rows for _, rows in per_router)), requests)
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,10 @@ def decide(samples: Sequence[LoadSample], current: int, last_resize_time: float 
                         f"{policy.window_s:g} s since the last resize")
     window = [s for s in samples if start < s.time <= now]
     steps = sum(s.steps for s in window)
+    held = max((s.requests for s in window if s.requests is not None), default=0.0)
+    if not steps and held > 0:  # requests wait but no step ran: the group is stalled, not idle
+        return decision(f"hold: no router step in the last {policy.window_s:g} s while the routers hold "
+                        f"{held:.0f} requests (stalled, not idle)")
     rows = sum(s.rows for s in window) / steps if steps else 0.0
     per_worker = rows / current
     target, band = policy.target_rows_per_worker, policy.band

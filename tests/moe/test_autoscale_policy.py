@@ -287,3 +287,16 @@ def test_bad_router_policies_are_refused(fields, message):
 def test_decide_routers_refuses_a_policy_without_router_targets():
     with pytest.raises(ValueError, match="router autoscaling is off"):
         decide_routers([], 1, None, 0.0, POLICY)
+
+
+def test_a_window_without_steps_while_requests_wait_is_a_stall_not_idle():
+    """Seen in the benchmark: a 4.7 s stall under 32 clients read as idle shrank 3 -> 1 workers
+    (and grew back 6 s later). With the requests held in the samples it holds."""
+    stalled = [LoadSample(t, 0, 0.0, requests=32.0) for t in range(91, 101)]
+    d = decide(stalled, current=3, last_resize_time=None, now=100, policy=POLICY)
+    assert d.direction == "hold" and "while the routers hold 32 requests (stalled, not idle)" in d.reason, d
+    idle = [LoadSample(t, 0, 0.0, requests=0.0) for t in range(91, 101)]
+    assert decide(idle, current=3, last_resize_time=None, now=100, policy=POLICY).desired == 1
+    unread = [LoadSample(t, 0, 0.0) for t in range(91, 101)]  # requests not read: as before, idle
+    assert decide(unread, current=3, last_resize_time=None, now=100, policy=POLICY).desired == 1
+    assert group_sample(5.0, [], requests=4.0) == LoadSample(5.0, 0, 0.0, 4.0)
