@@ -110,6 +110,13 @@ def test_grows_under_load_and_shrinks_when_idle_with_equal_outputs(ray_session, 
 ROUTER_AUTOSCALE = dict(AUTOSCALE, max_workers=1, min_routers=1, max_routers=2, target_requests_per_router=4)
 
 
+def routers_resized_to(status: dict, routers: int) -> bool:
+    """The pool has ``routers`` routers and the autoscaler's report of that resize is in (the
+    router list changes a moment before ``resize_routers`` returns its report)."""
+    last = status["autoscale"]["routers"]["last_resize"] or {}
+    return status["num_routers"] == routers and last.get("routers") == routers
+
+
 def serving_routers(deployment) -> list:
     """The handles of the routers that take requests now (the controller's count, by name),
     keeping the handles deploy made (dropping an owner's last handle would end its actor)."""
@@ -145,7 +152,7 @@ def test_the_policy_alone_grows_the_routers_under_load_and_shrinks_them_when_idl
         runner = threading.Thread(target=load)
         runner.start()
         try:
-            grown = wait_for(lambda s: s["num_routers"] == 2, "the router pool never grew to 2", deployment)
+            grown = wait_for(lambda s: routers_resized_to(s, 2), "the router pool never grew to 2", deployment)
             deadline = time.monotonic() + 60
             while 2 not in shares[-1:] and time.monotonic() < deadline and runner.is_alive():
                 time.sleep(0.2)  # a batch spread over both routers has started
@@ -164,7 +171,7 @@ def test_the_policy_alone_grows_the_routers_under_load_and_shrinks_them_when_idl
         assert (auto["last_resize"]["routers_before"], auto["last_resize"]["routers"]) == (1, 2), auto
         assert grown["workers"] == 1 and grown["autoscale"]["decisions"] == {"up": 0, "down": 0}
         # Idle: the policy shrinks the router pool back to its minimum.
-        idle = wait_for(lambda s: s["num_routers"] == 1, "the idle router pool never shrank to 1", deployment)
+        idle = wait_for(lambda s: routers_resized_to(s, 1), "the idle router pool never shrank to 1", deployment)
         auto = idle["autoscale"]["routers"]
         assert auto["decisions"] == {"up": 1, "down": 1} and auto["desired_routers"] == 1, auto
         assert auto["last_resize"]["resized"] and auto["last_resize"]["routers"] == 1, auto
