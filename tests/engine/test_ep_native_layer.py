@@ -46,19 +46,27 @@ HIDDEN, INTER, EXPERTS, TOP_K, LAYERS = 64, 32, 8, 2, 3
 CPU = torch.device("cpu")
 
 
+FORM_TIMEOUT_S = 30.0  # forming the group (its rendezvous store) on a loaded machine
+
+
 def sockets_group(world_size: int, timeout_s: float = 10.0) -> list[SocketCommunicator]:
+    """A sockets group on loopback whose collectives have the deadline ``timeout_s``. It forms
+    under a longer one: a 0.5 s deadline also bounded the rendezvous store's connect, which a
+    loaded CI machine missed ("the sockets group did not form")."""
     port = free_port("127.0.0.1")
     comms: list = [None] * world_size
 
     def join(rank: int) -> None:
-        comms[rank] = SocketCommunicator.create(rank, world_size, "127.0.0.1", port, timeout_s,
-                                                group_name=f"native-worker-{port}")
+        comm = SocketCommunicator.create(rank, world_size, "127.0.0.1", port, max(timeout_s, FORM_TIMEOUT_S),
+                                         group_name=f"native-worker-{port}")
+        comm.timeout_s = timeout_s
+        comms[rank] = comm
 
     threads = [threading.Thread(target=join, args=(rank,)) for rank in range(world_size)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=30)
+        thread.join(timeout=FORM_TIMEOUT_S + 5)
     assert all(comms), "the sockets group did not form"
     return comms
 
