@@ -86,6 +86,21 @@ class ScopedAutoscalingCluster(AutoscalingCluster):
                    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled", **{MARKER: self.name}, **(override_env or {}))
         subprocess.run(cmd, env=env, check=True, timeout=120, stdout=subprocess.DEVNULL)
 
+    def connect(self) -> None:
+        """``ray.init`` this process as the cluster's driver, without Ray's token authentication,
+        as the cluster runs (``RAY_AUTH_MODE=disabled`` in ``start``). A process that has
+        turned token mode on before (cluster/ray_connect.py's ``use_token_if_available`` does,
+        in ``os.environ``, wherever ~/.ray/auth_token exists: an earlier test in the same
+        pytest process) would otherwise connect with a token, and the GCS takes that driver for
+        dead: its first actor is "cancelled before it started running" (reproduced alone with
+        RAY_AUTH_MODE=token). The mode stays disabled in this process afterwards."""
+        import ray
+        from ray._raylet import Config
+
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        Config.initialize("")  # Ray caches its config in C++: re-read the environment
+        ray.init(address=self.address)
+
     def shutdown(self):
         stop(self.name, grace_s=6)
         shutil.rmtree(self.temp_dir, ignore_errors=True)

@@ -22,8 +22,13 @@ from raymoe.cluster.deploy import deploy
 
 # Run alone it passes (5 of 5 runs); inside the full suite on the 2-core machine it failed in 3
 # of 3 runs, the same way: the deploy's first worker "cancelled before it started running" and no
-# expert node added in Ray's autoscaler log. The cause is not found, so the full suite does not
-# run it unless asked: RAYMOE_AUTOSCALER_TEST=1 python -m pytest tests/actors/test_ray_autoscaler.py
+# expert node added in Ray's autoscaler log. Likely cause, found later: this process's driver
+# connecting with Ray's token authentication (RAY_AUTH_MODE=token, which cluster/ray_connect.py
+# puts into os.environ where ~/.ray/auth_token exists) to this cluster, which runs without it:
+# alone with RAY_AUTH_MODE=token set it fails the same way (1 of 1), and with the driver
+# connecting without a token (ScopedAutoscalingCluster.connect) it passes so too (1 of 1). Not
+# yet run inside the full suite since, so the suite still runs it only when asked:
+# RAYMOE_AUTOSCALER_TEST=1 python -m pytest tests/actors/test_ray_autoscaler.py
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     os.environ.get("RAYMOE_AUTOSCALER_TEST") != "1",
     reason="Ray's AutoscalingCluster over simulated nodes: run alone with RAYMOE_AUTOSCALER_TEST=1 (inside the "
@@ -48,7 +53,7 @@ def autoscaling_ray():
         idle_timeout_minutes=IDLE_TIMEOUT_MIN)
     cluster.start()
     try:
-        ray.init(address=cluster.address)
+        cluster.connect()  # (without a token, as the cluster runs: autoscaling_cluster.py)
         yield cluster
     finally:
         ray.shutdown()
