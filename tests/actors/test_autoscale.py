@@ -107,7 +107,9 @@ def test_grows_under_load_and_shrinks_when_idle_with_equal_outputs(ray_session, 
 # Workers fixed at 1 (min = max); routers 1..2 by the requests they hold: 32 prompts on one
 # router of max_num_seqs 8 are 8 running + 24 waiting, far above 4 a router (grow, capped at
 # 2); idle, 0 requests: back to 1.
-ROUTER_AUTOSCALE = dict(AUTOSCALE, max_workers=1, min_routers=1, max_routers=2, target_requests_per_router=4)
+# (target_queue_s far above any queue here: read and shown, never the reason to grow)
+ROUTER_AUTOSCALE = dict(AUTOSCALE, max_workers=1, min_routers=1, max_routers=2, target_requests_per_router=4,
+                        target_queue_s=600.0)
 
 
 def routers_resized_to(status: dict, routers: int) -> bool:
@@ -170,6 +172,9 @@ def test_the_policy_alone_grows_the_routers_under_load_and_shrinks_them_when_idl
         assert auto["decisions"]["up"] == 1 and auto["last_resize"]["resized"], auto
         assert (auto["last_resize"]["routers_before"], auto["last_resize"]["routers"]) == (1, 2), auto
         assert grown["workers"] == 1 and grown["autoscale"]["decisions"] == {"up": 0, "down": 0}
+        # the grow decision read the routers' queue times: 24 of 32 sequences waited for a place
+        assert auto["queue_s"] is not None and 0 < auto["queue_s"] < 600, auto
+        assert "queue time" in auto["reason"] and auto["queue_floor"] is None, auto
         # Idle: the policy shrinks the router pool back to its minimum.
         idle = wait_for(lambda s: routers_resized_to(s, 1), "the idle router pool never shrank to 1", deployment)
         auto = idle["autoscale"]["routers"]
@@ -181,8 +186,8 @@ def test_the_policy_alone_grows_the_routers_under_load_and_shrinks_them_when_idl
         assert [o.output_token_ids for o in deployment.generate(batch[:8], GREEDY)] == want[:8]
         # Visible in `raymoe status` and in /metrics.
         text = format_status(idle)
-        assert "autoscale: 1 routers, desired 1 (limits 1..2, target 4 requests per router; decisions up 1, " \
-               "down 1)" in text, text
+        assert "autoscale: 1 routers, desired 1 (limits 1..2, target 4 requests per router, queue target 600 s; " \
+               "decisions up 1, down 1)" in text, text
         assert "last router decision" in text and auto["reason"] in text, text
         metrics = ServingMetrics(idle["slots_per_worker"], "m").render(deployment.telemetry(), idle).decode()
         samples = {(s.name, s.labels.get("direction")): s.value
@@ -193,6 +198,7 @@ def test_the_policy_alone_grows_the_routers_under_load_and_shrinks_them_when_idl
         assert samples[("raymoe:autoscale_target_requests_per_router", None)] == 4
         assert samples[("raymoe:autoscale_router_decisions_total", "up")] == 1
         assert samples[("raymoe:autoscale_router_decisions_total", "down")] == 1
+        assert samples[("raymoe:autoscale_target_queue_time_seconds", None)] == 600
     finally:
         deployment.shutdown()
 
