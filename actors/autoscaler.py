@@ -90,8 +90,10 @@ class Autoscaler:
     # ---- telemetry ------------------------------------------------------------------------
     def _autoscale_read(self) -> None:
         """One sample of each pool's load: the router steps (and their expert rows per layer)
-        since the last read; with router targets, the requests the routers hold and the
-        sequences admitted since the last read with their queue seconds."""
+        since the last read, and the requests the routers hold; with router targets, a router
+        sample too (the requests held, the sequences admitted since the last read and their
+        queue seconds), only when every router answered (one left out would look like a
+        smaller load)."""
         now = time.time()
         routers = list(self.routers)
         cursors = {index: self._autoscale_cursors.get(index) for index in range(len(routers))}
@@ -102,16 +104,16 @@ class Autoscaler:
         everything = [*refs.values(), *telemetry.values()]
         ready = set(ray.wait(everything, num_returns=len(everything), timeout=LOAD_READ_TIMEOUT_S)[0])
         per_router: list[tuple[int, float]] = []
-        requests, admitted, queue_s, read = 0.0, 0, 0.0, False
+        requests, admitted, queue_s, answered = 0.0, 0, 0.0, 0
         for index, ref in refs.items():
             answer = self._answer(ref, ready)
             if answer is None:
                 continue  # a router that is slow or lost this round: its steps count next time
             cursor, loads = answer
-            report = self._answer(telemetry[index], ready) if telemetry else None
+            report = self._answer(telemetry[index], ready)
             queue = None
             if report is not None:
-                read = True
+                answered += 1
                 requests += report.get("requests_running", 0) + report.get("requests_waiting", 0)
                 histogram = report.get("queue_time") or {}
                 queue = (int(sum(histogram.get("counts", []))), float(histogram.get("sum", 0.0)))
@@ -127,10 +129,10 @@ class Autoscaler:
                 queue_s += queue[1] - before["queue"][1]
         policy = self.autoscale_policy
         horizon = now - policy.window_s - policy.interval_s
-        self._autoscale_samples.append(group_sample(now, per_router, requests if read else None))
+        self._autoscale_samples.append(group_sample(now, per_router, requests if answered else None))
         while self._autoscale_samples and self._autoscale_samples[0].time < horizon:
             self._autoscale_samples.popleft()
-        if policy.routers_on:
+        if policy.routers_on and answered == len(routers):
             self._autoscale_router_samples.append(RouterSample(now, requests, admitted, queue_s))
             while self._autoscale_router_samples and self._autoscale_router_samples[0].time < horizon:
                 self._autoscale_router_samples.popleft()
