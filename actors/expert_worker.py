@@ -20,10 +20,11 @@ that serves the EP group never runs a copy collective on a call thread. The cont
 each layer's copy on every worker under a *mark* (:meth:`ExpertWorker.queue_migration`), then
 gives the routers that mark (``Router.mark_migration``); the routers send it in an idle tick
 they all send in the same round (wire.HEADER_MARK), and every worker's serving loop runs the
-copy right after the first tick in which every router's mark is that one, before it reads the
-next step's headers. Every worker reads the same sequence of messages from the routers, so on
-every rank the migration all-to-all-v comes between the same two EP collectives (NCCL's rule
-for two communicators on one GPU: every rank issues them in the same order). A worker outside
+copy right after the first tick in which a router carries that mark, before it reads the next
+step's headers. No router has the mark before every worker queued the copy, and every worker
+reads the same sequence of messages from the routers, so on every rank the migration
+all-to-all-v comes between the same two EP collectives (NCCL's rule for two communicators on
+one GPU: every rank issues them in the same order). A worker outside
 the EP group (a grow's new worker, before it joins) has nothing to order against and copies at
 once. ``collectives()`` returns the order this worker saw (a bounded log), so tests compare it.
 
@@ -86,7 +87,7 @@ def migration_mark(epoch: int, layer: int) -> int:
 @dataclass
 class QueuedCopy:
     """One layer's copy, queued under ``mark`` until the serving loop of ``exchange`` meets that
-    mark in every router's idle tick (``exchange`` None: this worker serves no EP group; it runs at once)."""
+    mark in a router's idle tick (``exchange`` None: this worker serves no EP group; it runs at once)."""
     mark: int
     args: tuple
     exchange: Any
@@ -387,7 +388,7 @@ class ExpertWorker:
     def _serve_loop(self, exchange: WorkerExchange) -> None:
         """Serve group steps until this exchange is replaced or fails. Each step: every MoE
         layer in order; the first layer's header may instead be an idle tick, after which the
-        copy queued under the tick's mark runs, if every router's tick carries that mark."""
+        copies queued under the marks the routers' ticks carry run (in mark order)."""
         self.pinned_core = pin_current_thread(self.pin_core)
         try:
             with torch.inference_mode():
@@ -397,8 +398,9 @@ class ExpertWorker:
                     if headers is None:
                         self.ep_position += 1
                         marks = exchange.tick_marks
-                        if marks and marks[0] and marks.count(marks[0]) == len(marks):
-                            self._run_marked_copy(marks[0], exchange)
+                        if any(marks):
+                            for mark in sorted(set(marks) - {0}):
+                                self._run_marked_copy(mark, exchange)
                         continue
                     rows, assignments, compute_s = 0, 0, 0.0
                     pool_rows = self.pool_rows  # one placement view for the whole step
@@ -452,9 +454,9 @@ class ExpertWorker:
                         receives: list[tuple[int, int]]) -> str:
         """Queue one layer's copy (``migrate``'s arguments) under ``mark`` (``migration_mark``);
         every worker of the migration group queues its part. A worker serving the EP group runs
-        it in its serving loop, after the first idle tick in which every router's mark is
-        ``mark`` (``Router.mark_migration``, given only once every worker has queued it), so on
-        every rank it comes between the same two EP collectives; one serving none runs it at
+        it in its serving loop, after the first idle tick in which a router carries ``mark``
+        (``Router.mark_migration``, given only once every worker has queued it), so on every
+        rank it comes between the same two EP collectives; one serving none runs it at
         once. Returns where: ``"step boundary"`` or ``"now"``. ``wait_migration`` returns its result."""
         self._check_epoch_usable(new_epoch, "stage")
         if self.migration_comm is None:
@@ -496,8 +498,8 @@ class ExpertWorker:
         return copy.result
 
     def _run_marked_copy(self, mark: int, exchange: WorkerExchange) -> None:
-        """The serving loop met ``mark`` in every router's tick: run the copy queued under it
-        (if any: a tick repeats a router's mark until it gets another)."""
+        """The serving loop met ``mark`` in a router's tick: run the copy queued under it (if
+        any and not run yet: a router's ticks repeat its mark until it gets another)."""
         with self._copies_lock:
             copy = self._copies.get(mark)
             if copy is None or copy.started or copy.exchange is not exchange:

@@ -301,7 +301,7 @@ class Router:
             try:
                 # A new migration mark goes out first, in an idle tick every router sends in the
                 # same round (the agreement says whether any router has one): the workers run the
-                # copy queued under it once every router's tick carries it (actors/expert_worker.py).
+                # copy queued under it right after that tick (actors/expert_worker.py).
                 step, tick = exchange.agree_round(has_work, mark != self._mark_sent)
                 if tick:
                     exchange.idle_tick(mark)
@@ -576,8 +576,8 @@ class Router:
 
     def mark_migration(self, mark: int) -> None:
         """Carry migration ``mark`` in this router's idle ticks from now on, the first one sent
-        at once (actors/expert_worker.py: a copy queued under a mark runs on every worker at
-        the first tick that every router's carries it)."""
+        at once (actors/expert_worker.py: a copy queued under a mark runs on every worker right
+        after the first tick that carries it; the controller marks only once every worker queued it)."""
         with self._wake:
             self.migration_mark = mark
             self._wake.notify_all()

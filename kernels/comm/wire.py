@@ -25,9 +25,9 @@ built with, which the loader and tests/kernels/test_native_cpu.py compare with t
 
   A header of kind ``KIND_IDLE`` in the first layer's place says "no step" (an *idle
   tick*). Its epoch field (:data:`HEADER_MARK`) carries the router's migration mark (0:
-  none): when every router's tick carries the same mark, every worker runs the expert copy
-  queued under that mark right there, between two EP collectives, so copies and the EP
-  exchange are ordered the same way on every rank (actors/expert_worker.py).
+  none): at the first tick that carries a mark, every worker runs the expert copy queued
+  under it right there, between two EP collectives, so copies and the EP exchange are ordered
+  the same way on every rank (actors/expert_worker.py).
 - **Native statuses** (:class:`Status`, :data:`STATUSES`): what a native routine of the
   exchange returns, who turns it into which error, with details in an ``Info`` array.
 """

@@ -147,12 +147,13 @@ def joined(threads: list[threading.Thread]) -> None:
 
 
 @pytest.mark.parametrize("backend,side", [("gloo", PythonWorkerExchange), ("sockets", NativeWorkerExchange)])
-def test_a_copy_runs_only_at_a_tick_every_router_marked(tiny_mixtral_dir, backend, side):
+def test_a_copy_runs_right_after_the_first_tick_that_carries_its_mark(tiny_mixtral_dir, backend, side):
     """In one process, the real objects: 2 routers and 2 workers in one EP group, the workers in
-    a migration group. A copy queued on both workers does not run while only one router carries
-    its mark (its ticks go out, the other router's carry none); once both do, both workers run it
-    at the same EP position, between two collectives, and stage the expert. A mark is never
-    reused. Both worker sides read the tick's marks: Python (gloo) and native (sockets)."""
+    a migration group. A copy queued on both workers does not run before a router carries its
+    mark (ticks go out meanwhile, carrying an older mark); once router 1 alone has it, both
+    workers run it right after that tick, at the same EP position between two collectives, and
+    the expert is staged. A mark is never reused. Both worker sides read the tick's marks:
+    Python (gloo) and native (sockets)."""
     if side is NativeWorkerExchange:
         from raymoe.kernels import native_cpu
         if native_cpu.unavailable_reason() is not None:
@@ -178,18 +179,19 @@ def test_a_copy_runs_only_at_a_tick_every_router_marked(tiny_mixtral_dir, backen
         assert workers[0].queue_migration(mark, placement.epoch, 0, 7, [(1, expert)], []) == "step boundary"
         assert workers[1].queue_migration(mark, placement.epoch, 0, 7, [], [(0, 0, expert)]) == "step boundary"
 
-        routers[0].mark_migration(mark)  # router 1's ticks still carry no mark: nothing runs
+        older = migration_mark(3, 1)
+        routers[0].mark_migration(older)  # a tick goes out at once, with a mark no copy is queued under
         deadline = time.monotonic() + 10
-        while routers[0]._mark_sent != mark:
-            assert time.monotonic() < deadline, "router 0 never sent its mark"
+        while not all(w.exchange.tick_marks == [older, 0] for w in workers):
+            assert time.monotonic() < deadline, [w.exchange.tick_marks for w in workers]
             time.sleep(0.01)
         for worker in workers:
             with pytest.raises(TimeoutError, match="its step boundary never came"):
                 worker.wait_migration(mark, 0.3)
-        assert all(w.exchange.tick_marks == [mark, 0] for w in workers), [w.exchange.tick_marks for w in workers]
 
         routers[1].mark_migration(mark)
         sent = [w.wait_migration(mark, 10.0) for w in workers]
+        assert all(w.exchange.tick_marks == [older, mark] for w in workers), [w.exchange.tick_marks for w in workers]
         assert sent[0] > 0 and sent[1] == 0, sent
         assert workers[1].staged == {(7, 0, 0): (workers[1].staged[(7, 0, 0)][0], expert)}
         copies = [[e for e in w.collectives()["log"] if e[0] == "copy"] for w in workers]
