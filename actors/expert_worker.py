@@ -213,7 +213,8 @@ class ExpertWorker:
         self._last_mark = 0  # the largest mark queued here
         # Where the serving loop is in this generation's EP collectives (group steps and idle
         # ticks): 2n between the n-th and the next, 2n+1 inside the next (waiting for it included).
-        self.ep_position = 0
+        # One counter per generation, so that an old loop on its way out never moves a new one's.
+        self._ep_counter = [0]
         self.collective_log: deque = deque(maxlen=COLLECTIVE_LOG_ENTRIES)
         self._log_lock = threading.Lock()
         self._load_lock = threading.Lock()  # one load_placement at a time
@@ -380,12 +381,13 @@ class ExpertWorker:
                                    self.device, self.executor if self.device.type == "cpu" else None,
                                    intermediate_size=self.config.moe_intermediate_size)
         with self._log_lock:
-            self.exchange, self.generation, self.last_error, self.ep_position = exchange, generation, None, 0
+            self.exchange, self.generation, self.last_error, self._ep_counter = exchange, generation, None, [0]
             self.collective_log.append(("join", generation, 0))
-        threading.Thread(target=self._serve_loop, args=(exchange,), name=f"worker-{self.worker}-g{generation}",
+        threading.Thread(target=self._serve_loop, args=(exchange, self._ep_counter),
+                         name=f"worker-{self.worker}-g{generation}",
                          daemon=True).start()
 
-    def _serve_loop(self, exchange: WorkerExchange) -> None:
+    def _serve_loop(self, exchange: WorkerExchange, position: list[int]) -> None:
         """Serve group steps until this exchange is replaced or fails. Each step: every MoE
         layer in order; the first layer's header may instead be an idle tick, after which the
         copies queued under the marks the routers' ticks carry run (in mark order)."""
@@ -393,14 +395,14 @@ class ExpertWorker:
         try:
             with torch.inference_mode():
                 while self.exchange is exchange:
-                    self.ep_position += 1  # (odd: inside an EP collective, until the step's last layer)
+                    position[0] += 1  # (odd: inside an EP collective, until the step's last layer)
                     headers = exchange.receive_headers(0)
                     if headers is None:
-                        self.ep_position += 1
+                        position[0] += 1
                         marks = exchange.tick_marks
                         if any(marks):
                             for mark in sorted(set(marks) - {0}):
-                                self._run_marked_copy(mark, exchange)
+                                self._run_marked_copy(mark, exchange, position)
                         continue
                     rows, assignments, compute_s = 0, 0, 0.0
                     pool_rows = self.pool_rows  # one placement view for the whole step
@@ -411,7 +413,7 @@ class ExpertWorker:
                         rows += result.rows
                         assignments += result.assignments
                         compute_s += result.compute_s
-                    self.ep_position += 1
+                    position[0] += 1
                     self.steps_served += 1
                     self.step_stats.append((rows, assignments, compute_s))
         except Exception as error:  # the group is broken: peers fail fast, the controller rebuilds
@@ -497,7 +499,7 @@ class ExpertWorker:
             raise copy.error
         return copy.result
 
-    def _run_marked_copy(self, mark: int, exchange: WorkerExchange) -> None:
+    def _run_marked_copy(self, mark: int, exchange: WorkerExchange, position: list[int]) -> None:
         """The serving loop met ``mark`` in a router's tick: run the copy queued under it (if
         any and not run yet: a router's ticks repeat its mark until it gets another)."""
         with self._copies_lock:
@@ -506,19 +508,22 @@ class ExpertWorker:
                 return
             copy.started = True
         with torch.inference_mode(False):  # staging writes the pool (normal tensors), as outside the loop
-            self._run_copy(copy)
+            self._run_copy(copy, position)
 
-    def _run_copy(self, copy: QueuedCopy) -> None:
-        generation, before = self.generation, self.ep_position
+    def _run_copy(self, copy: QueuedCopy, position: list[int] | None = None) -> None:
+        """Run a copy (on the serving loop whose EP position is ``position``, or where no EP group
+        is served) and log where it fell."""
+        position = self._ep_counter if position is None else position
+        generation, before = self.generation, position[0]
         started = time.monotonic()
         try:
-            copy.result = self.migrate_now(*copy.args)
+            copy.result = self._migrate_now(*copy.args)
         except Exception as error:  # told to the caller of wait_migration; serving goes on
             copy.error = error
         finally:
             epoch, layer, new_epoch = copy.args[:3]
             self._log("copy", copy.mark, layer, new_epoch, "step boundary" if copy.exchange is not None else "now",
-                      generation if copy.exchange is not None else None, before, self.ep_position,
+                      generation if copy.exchange is not None else None, before, position[0],
                       round(time.monotonic() - started, 6), copy.error is None)
             copy.done.set()
 
@@ -533,10 +538,10 @@ class ExpertWorker:
                 copy.done.set()  # (kept for its wait_migration, which says why)
 
     def _log(self, kind: str, *details: Any) -> None:
-        """One entry of the collective log: its kind, the EP generation and how many EP
-        collectives of it this worker had served then, and the details."""
+        """One entry of the collective log: its kind, the EP generation and the position among its
+        EP collectives then (``collectives()``), and the details."""
         with self._log_lock:
-            self.collective_log.append((kind, self.generation, self.ep_position, *details))
+            self.collective_log.append((kind, self.generation, self._ep_counter[0], *details))
 
     def collectives(self) -> dict[str, Any]:
         """The order in which this worker met the collectives of its two communicators: a
@@ -548,7 +553,7 @@ class ExpertWorker:
         right after the n-th, ``2n + 1`` inside the next one (its wait included), so a copy
         ordered between two EP collectives starts and ends at the same even position."""
         with self._log_lock:
-            return {"worker": self.worker, "generation": self.generation, "ep_position": self.ep_position,
+            return {"worker": self.worker, "generation": self.generation, "ep_position": self._ep_counter[0],
                     "serving": self.exchange is not None, "log": [list(entry) for entry in self.collective_log]}
 
     def migrate(self, epoch: int, layer: int, new_epoch: int, sends: list[tuple[int, int]],
@@ -558,9 +563,9 @@ class ExpertWorker:
         if self.exchange is not None:
             raise RuntimeError(f"worker {self.worker} serves the EP group: its copies run between EP steps at a "
                                "mark every rank agrees on (queue_migration, Router.mark_migration, wait_migration)")
-        return self.migrate_now(epoch, layer, new_epoch, sends, receives)
+        return self._migrate_now(epoch, layer, new_epoch, sends, receives)
 
-    def migrate_now(self, epoch: int, layer: int, new_epoch: int, sends: list[tuple[int, int]],
+    def _migrate_now(self, epoch: int, layer: int, new_epoch: int, sends: list[tuple[int, int]],
                     receives: list[tuple[int, int]]) -> int:
         """Copy experts worker to worker over the migration group; every worker calls it.
 
