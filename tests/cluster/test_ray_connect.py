@@ -24,6 +24,16 @@ CLI = [sys.executable, "-m", "raymoe.cluster.cli"]
 
 @pytest.fixture(scope="module")
 def cluster():
+    yield from ray_head("token")
+
+
+@pytest.fixture(scope="module")
+def open_cluster():
+    """A Ray head without authentication (RAY_AUTH_MODE=disabled), as Ray's AutoscalingCluster runs."""
+    yield from ray_head("disabled")
+
+
+def ray_head(auth_mode: str):
     from raymoe.cluster.ray_up_node import MARKER, stop
 
     folder = Path(tempfile.mkdtemp(prefix="rc-", dir="/tmp"))  # short: Ray's socket paths live under it
@@ -38,7 +48,7 @@ def cluster():
                RAY_USAGE_STATS_ENABLED="0")
     start = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
                             "--num-cpus=1", "--include-dashboard=false"],
-                           env=dict(env, RAY_AUTH_MODE="token", **{MARKER: name}), capture_output=True, text=True,
+                           env=dict(env, RAY_AUTH_MODE=auth_mode, **{MARKER: name}), capture_output=True, text=True,
                            timeout=180)
     try:
         assert start.returncode == 0, start.stdout[-2000:] + start.stderr[-2000:]
@@ -100,3 +110,23 @@ def test_no_address_starts_a_ray_of_its_own_and_an_explicit_one_is_used_as_given
     assert "NICE 0" in own.stdout  # its actors serve at normal priority, not Ray's niceness 15
     given = run([sys.executable, "-c", PROBE.format(address=cluster["address"])], cluster["env"])
     assert given.returncode == 0 and f"GCS {cluster['address']}" in given.stdout, given.stderr[-3000:]
+
+
+ACTOR = """
+import ray
+from raymoe.cluster.ray_connect import connect
+connect({address!r})
+@ray.remote(num_cpus=0)
+class Answer:
+    def get(self):
+        return 42
+print("ACTOR", ray.get(Answer.options(name="answer", lifetime="detached").remote().get.remote(), timeout=120))
+"""
+
+
+def test_a_token_on_this_machine_does_not_stop_it_reaching_a_cluster_without_authentication(open_cluster):
+    # This machine has a token (RAY_AUTH_TOKEN_PATH) and the cluster wants none: connect turns token
+    # mode on all the same, and a detached actor is still created and answers. (Checked because
+    # the Ray-autoscaler test's "Actor creation cancelled" was suspected to come from this.)
+    done = run([sys.executable, "-c", ACTOR.format(address=open_cluster["address"])], open_cluster["env"], timeout=300)
+    assert done.returncode == 0 and "ACTOR 42" in done.stdout, (done.stdout[-2000:], done.stderr[-3000:])
