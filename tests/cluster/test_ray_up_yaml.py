@@ -90,44 +90,61 @@ def test_paths_come_from_home_and_the_token_goes_to_every_node(path):
     assert ("[gpu" in " ".join(commands(config))) == (path.name in GPU_FILES)  # GPU extras in GPU files only
 
 
-@pytest.mark.parametrize("name, instance_key", [("aws-p5.yaml", "InstanceType"), ("gcp-a3.yaml", "machineType")])
-def test_cloud_files_are_a_router_head_and_autoscaled_eight_gpu_expert_nodes(name, instance_key):
-    config = prepared(raw(RAY_UP / name))
+def node_types(config: dict) -> tuple[dict, dict, dict]:
+    """The head, the expert node type (``raymoe_expert``) and the router node type (``raymoe_router``,
+    not the head) of a cloud file."""
     types = config["available_node_types"]
     head = types[config["head_node_type"]]
-    workers = [t for n, t in types.items() if n != config["head_node_type"]]
-    assert head["resources"]["GPU"] == 8 and [w["resources"]["GPU"] for w in workers] == [8]
-    # the head is the router node, the other type the expert nodes (docs/DEPLOY.md)
-    assert head["resources"]["raymoe_router"] == 8 and "raymoe_expert" not in head["resources"]
-    assert workers[0]["resources"]["raymoe_expert"] == 8 and "raymoe_router" not in workers[0]["resources"]
-    # one expert node always (a config without the resources gets 16 GPUs, as before), up to 3
+    others = [t for n, t in types.items() if n != config["head_node_type"]]
+    (expert,) = [t for t in others if "raymoe_expert" in t["resources"]]
+    (router,) = [t for t in others if "raymoe_router" in t["resources"]]
+    assert len(others) == 2
+    return head, expert, router
+
+
+@pytest.mark.parametrize("name, instance_key", [("aws-p5.yaml", "InstanceType"), ("gcp-a3.yaml", "machineType")])
+def test_cloud_files_are_a_router_head_and_autoscaled_eight_gpu_expert_and_router_nodes(name, instance_key):
+    config = prepared(raw(RAY_UP / name))
+    head, expert, router = node_types(config)
+    assert head["resources"]["GPU"] == expert["resources"]["GPU"] == router["resources"]["GPU"] == 8
+    # the head is a router node, the expert nodes hold no router and the router nodes no worker (docs/DEPLOY.md)
+    assert head["resources"]["raymoe_router"] == router["resources"]["raymoe_router"] == 8
+    assert "raymoe_expert" not in head["resources"] and "raymoe_expert" not in router["resources"]
+    assert expert["resources"]["raymoe_expert"] == 8 and "raymoe_router" not in expert["resources"]
+    # one expert node always (a config without the resources gets 16 GPUs, as before), up to 3;
+    # router nodes only when the routers outgrow the head, up to 1
     assert head["min_workers"] == head["max_workers"] == 0
-    assert workers[0]["min_workers"] == 1 and workers[0]["max_workers"] == 3 == config["max_workers"]
-    assert head["node_config"][instance_key] == workers[0]["node_config"][instance_key]
+    assert expert["min_workers"] == 1 and expert["max_workers"] == 3
+    assert router["min_workers"] == 0 and router["max_workers"] == 1
+    assert config["max_workers"] == expert["max_workers"] + router["max_workers"]
+    assert head["node_config"][instance_key] == expert["node_config"][instance_key] == router["node_config"][instance_key]
     autoscaler_client = {"aws-p5.yaml": "boto3", "gcp-a3.yaml": "google-api-python-client"}[name]
     assert any(c.startswith(f"{VENV}pip install") and autoscaler_client in c for c in raw(RAY_UP / name)["head_setup_commands"])
 
 
 @pytest.mark.parametrize("name", sorted(GPU_FILES))
-def test_expert_node_counts_match_the_autoscale_example(name):
+def test_node_counts_match_the_autoscale_example(name):
     """configs/examples/p5-autoscale.yaml asks for what the file's node types give: its
-    workers only on expert nodes, its routers only on the head, and the autoscale limits over
-    the GPUs of an expert node are the expert type's min_workers / max_workers."""
+    workers only on expert nodes, its routers only on the head and router nodes, and the
+    autoscale limits over what a node holds are the node types' min_workers / max_workers
+    (routers: beyond the head's)."""
     from raymoe.cluster.config import load_cluster_config
 
     example = load_cluster_config(RAY_UP.parents[1] / "configs" / "examples" / "p5-autoscale.yaml")
     config = prepared(raw(RAY_UP / name))
-    head = config["available_node_types"][config["head_node_type"]]
-    (expert,) = [t for n, t in config["available_node_types"].items() if n != config["head_node_type"]]
+    head, expert, router = node_types(config)
     (worker_resource, per_worker), = example.placement.worker_resources.items()
     (router_resource, per_router), = example.placement.router_resources.items()
     workers_a_node = int(min(expert["resources"]["GPU"], expert["resources"][worker_resource] / per_worker))
     assert expert["min_workers"] == -(-example.autoscale.min_workers // workers_a_node)
     assert expert["max_workers"] == -(-example.autoscale.max_workers // workers_a_node)
     assert example.expert_workers <= expert["min_workers"] * workers_a_node  # the start fits without a launch
-    assert worker_resource not in head["resources"]  # no worker on the head
-    assert example.routers * per_router <= head["resources"][router_resource]
-    assert example.routers <= head["resources"]["GPU"]
+    assert worker_resource not in head["resources"] and worker_resource not in router["resources"]
+    on_head = int(min(head["resources"]["GPU"], head["resources"][router_resource] / per_router))
+    routers_a_node = int(min(router["resources"]["GPU"], router["resources"][router_resource] / per_router))
+    assert example.routers <= on_head  # the start fits on the head
+    assert router["min_workers"] == max(0, -(-(example.autoscale.min_routers - on_head) // routers_a_node))
+    assert router["max_workers"] == -(-(example.autoscale.max_routers - on_head) // routers_a_node)
 
 
 def test_local_file_lists_its_hosts_and_its_node_type_agrees():
