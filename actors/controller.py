@@ -17,7 +17,7 @@ whether a new placement pays. A rebalance runs layer by layer:
 Serving goes on throughout. One controller per deployment; it owns no weights, so it can
 be restarted and rebuild its state from the routers and workers.
 
-A migration that fails (a worker's migrate or activate raises, or a fault point fires) is
+A migration that fails (a worker's copy or activate raises, or a fault point fires) is
 undone before any router sees its epoch: every worker discards what it staged or activated
 for that epoch, the migration group is rebuilt (no full recovery while every worker is
 alive), and the placement in service stays as it was. Every epoch is new (never one staged,

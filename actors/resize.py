@@ -2,8 +2,8 @@
 
 :class:`Resize` is mixed into :class:`raymoe.actors.controller.Controller`, as recovery is; it
 reuses what recovery and rebalancing have: new placement tables in epochs never used before,
-copies worker to worker on the workers' migration group (``ExpertWorker.migrate``), epochs
-activated beside the one in service, routers switched at a step boundary, and the deployment's
+copies worker to worker on the workers' migration group (``ExpertWorker.queue_migration``, at
+a step boundary the routers mark), epochs activated beside the one in service, routers switched at a step boundary, and the deployment's
 one expert-parallel group rebuilt over a new set of workers (``join_ep_group``).
 
 Growing from W to Wn workers (moe/resize_plan.py decides where experts go):
