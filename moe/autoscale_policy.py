@@ -150,10 +150,33 @@ class AutoscaleDecision:
                 "reason": self.reason, "rows_per_step": self.rows_per_step, "time": self.time}
 
 
+def _wanted(load: float, target: float, lo: int, hi: int) -> int:
+    """``ceil(load / target)`` within ``[lo, hi]`` (no load wants ``lo``)."""
+    wanted = math.ceil(load / target - 1e-9) if load > 0 else 0
+    return min(hi, max(lo, wanted))
+
+
+def _before_the_window(pool: str, resize: str, current: int, lo: int, hi: int, last_resize_time: float | None,
+                       now: float, policy: AutoscalePolicy) -> tuple[str, int] | None:
+    """What both pools decide before reading the window, as ``(reason, desired)``: a cooldown,
+    a size outside the limits (e.g. an operator resized by hand), or a window that began before
+    the last ``resize``; None when the window is to be read. ``pool``: "workers" or "routers"."""
+    if last_resize_time is not None and now - last_resize_time < policy.cooldown_s:
+        return (f"cooling down: last {resize} {now - last_resize_time:.1f} s ago, cooldown {policy.cooldown_s:g} s",
+                current)
+    if current < lo or current > hi:
+        desired = min(hi, max(lo, current))
+        return (f"{current} {pool} is outside [{lo}, {hi}] (autoscale.min_{pool}/max_{pool}): back to {desired}",
+                desired)
+    if last_resize_time is not None and last_resize_time > now - policy.window_s:
+        return (f"collecting telemetry at {current} {pool}: {now - last_resize_time:.1f} of {policy.window_s:g} s "
+                f"since the last {resize}", current)
+    return None
+
+
 def desired_size(rows_per_step: float, policy: AutoscalePolicy) -> int:
     """The workers ``rows_per_step`` assignments per layer and step want, within the limits."""
-    wanted = math.ceil(rows_per_step / policy.target_rows_per_worker - 1e-9) if rows_per_step > 0 else 0
-    return min(policy.max_workers, max(policy.min_workers, wanted))
+    return _wanted(rows_per_step, policy.target_rows_per_worker, policy.min_workers, policy.max_workers)
 
 
 def decide(samples: Sequence[LoadSample], current: int, last_resize_time: float | None, now: float,
@@ -163,18 +186,11 @@ def decide(samples: Sequence[LoadSample], current: int, last_resize_time: float 
     def decision(reason: str, rows: float | None = None, desired: int = current) -> AutoscaleDecision:
         return AutoscaleDecision(desired, current, reason, rows, now)
 
-    if last_resize_time is not None and now - last_resize_time < policy.cooldown_s:
-        return decision(f"cooling down: last resize {now - last_resize_time:.1f} s ago, cooldown "
-                        f"{policy.cooldown_s:g} s")
-    if current < policy.min_workers or current > policy.max_workers:  # e.g. an operator resized by hand
-        desired = min(policy.max_workers, max(policy.min_workers, current))
-        return decision(f"{current} workers is outside [{policy.min_workers}, {policy.max_workers}] "
-                        f"(autoscale.min_workers/max_workers): back to {desired}", desired=desired)
-    start = now - policy.window_s
-    if last_resize_time is not None and last_resize_time > start:
-        return decision(f"collecting telemetry at {current} workers: {now - last_resize_time:.1f} of "
-                        f"{policy.window_s:g} s since the last resize")
-    window = [s for s in samples if start < s.time <= now]
+    early = _before_the_window("workers", "resize", current, policy.min_workers, policy.max_workers,
+                               last_resize_time, now, policy)
+    if early is not None:
+        return decision(early[0], desired=early[1])
+    window = [s for s in samples if now - policy.window_s < s.time <= now]
     steps = sum(s.steps for s in window)
     held = max((s.requests for s in window if s.requests is not None), default=0.0)
     if not steps and held > 0:  # requests wait but no step ran: the group is stalled, not idle
@@ -246,8 +262,7 @@ class RouterDecision:
 
 def desired_routers(requests: float, policy: AutoscalePolicy) -> int:
     """The routers ``requests`` held requests want, within the limits."""
-    wanted = math.ceil(requests / policy.target_requests_per_router - 1e-9) if requests > 0 else 0
-    return min(policy.max_routers, max(policy.min_routers, wanted))
+    return _wanted(requests, policy.target_requests_per_router, policy.min_routers, policy.max_routers)
 
 
 def decide_routers(samples: Sequence[RouterSample], current: int, last_resize_time: float | None, now: float,
@@ -262,18 +277,10 @@ def decide_routers(samples: Sequence[RouterSample], current: int, last_resize_ti
                  keep: QueueFloor | None = floor) -> RouterDecision:
         return RouterDecision(desired, current, reason, requests, queue_s, now, keep)
 
-    if last_resize_time is not None and now - last_resize_time < policy.cooldown_s:
-        return decision(f"cooling down: last router resize {now - last_resize_time:.1f} s ago, cooldown "
-                        f"{policy.cooldown_s:g} s")
-    if current < lo or current > hi:
-        desired = min(hi, max(lo, current))
-        return decision(f"{current} routers is outside [{lo}, {hi}] (autoscale.min_routers/max_routers): back to "
-                        f"{desired}", desired=desired)
-    start = now - policy.window_s
-    if last_resize_time is not None and last_resize_time > start:
-        return decision(f"collecting telemetry at {current} routers: {now - last_resize_time:.1f} of "
-                        f"{policy.window_s:g} s since the last router resize")
-    window = [s for s in samples if start < s.time <= now]
+    early = _before_the_window("routers", "router resize", current, lo, hi, last_resize_time, now, policy)
+    if early is not None:
+        return decision(early[0], desired=early[1])
+    window = [s for s in samples if now - policy.window_s < s.time <= now]
     if not window:
         return decision(f"no telemetry in the last {policy.window_s:g} s")
     requests = sum(s.requests for s in window) / len(window)
