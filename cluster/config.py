@@ -465,19 +465,21 @@ def _autoscale_problem(config: ClusterConfig) -> str | None:
             if getattr(auto, name) is None:
                 return (f"autoscale.{name}: required with autoscale.target_requests_per_router (the router pool's "
                         f"limits; routers: {config.routers} is the starting size)")
-        if auto.max_routers < auto.min_routers:
-            return (f"autoscale.max_routers: expected >= autoscale.min_routers ({auto.min_routers}); "
-                    f"got {auto.max_routers}")
-        if not auto.min_routers <= config.routers <= auto.max_routers:
-            return (f"routers: the deployment starts with {config.routers} routers, outside autoscale's "
-                    f"[{auto.min_routers}, {auto.max_routers}]; set routers within autoscale.min_routers..max_routers")
-    if auto.max_workers < auto.min_workers:
-        return (f"autoscale.max_workers: expected >= autoscale.min_workers ({auto.min_workers}); "
-                f"got {auto.max_workers}")
-    if not auto.min_workers <= config.expert_workers <= auto.max_workers:
-        return (f"expert_workers: the deployment starts with {config.expert_workers} workers, outside autoscale's "
-                f"[{auto.min_workers}, {auto.max_workers}]; set expert_workers within autoscale.min_workers.."
-                f"max_workers")
+        problem = _pool_limits_problem("routers", "routers", config.routers, auto.min_routers, auto.max_routers)
+        if problem:
+            return problem
+    return _pool_limits_problem("expert_workers", "workers", config.expert_workers, auto.min_workers,
+                                auto.max_workers)
+
+
+def _pool_limits_problem(field: str, pool: str, start: int, lo: int, hi: int) -> str | None:
+    """An autoscaled pool's limits inverted, or its starting size (the config's ``field``)
+    outside them; ``pool``: "workers" or "routers" (autoscale.min_{pool}/max_{pool})."""
+    if hi < lo:
+        return f"autoscale.max_{pool}: expected >= autoscale.min_{pool} ({lo}); got {hi}"
+    if not lo <= start <= hi:
+        return (f"{field}: the deployment starts with {start} {pool}, outside autoscale's [{lo}, {hi}]; set {field} "
+                f"within autoscale.min_{pool}..max_{pool}")
     return None
 
 
