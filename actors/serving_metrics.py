@@ -174,35 +174,21 @@ class EngineCollector:
     def _autoscale_families(self, auto: dict[str, Any]) -> Iterator[Metric]:
         """The autoscaler's decisions (actors/autoscaler.py): present only when it is on."""
         gauge = GaugeMetricFamily
-        yield self._family(gauge, "autoscale_desired_workers", "Expert workers the autoscaling policy wants",
-                           auto["desired_workers"])
-        yield self._family(gauge, "autoscale_actual_workers", "Expert workers serving now", auto["actual_workers"])
-        yield self._family(gauge, "autoscale_min_workers", "autoscale.min_workers", auto["min_workers"])
-        yield self._family(gauge, "autoscale_max_workers", "autoscale.max_workers", auto["max_workers"])
+        yield from self._pool_size_families(auto, "workers", "Expert workers")
         rows = auto.get("rows_per_step")
         per_worker = rows / auto["actual_workers"] if rows is not None and auto["actual_workers"] else 0.0
         yield self._family(gauge, "autoscale_rows_per_worker", "Expert rows each worker ran per MoE layer and "
                            "router step over the policy's window, at the last decision", per_worker)
         yield self._family(gauge, "autoscale_target_rows_per_worker", "autoscale.target_rows_per_worker",
                            auto["target_rows_per_worker"])
-        yield self._family(gauge, "autoscale_last_decision_timestamp_seconds", "Unix time of the last decision "
-                           "(0: none yet)", auto["last_decision_time"] or 0.0)
-        decisions = CounterMetricFamily(PREFIX + "autoscale_decisions", "Resizes the autoscaling policy decided on, "
-                                        "by direction (up: grow, down: shrink)", labels=["model_name", "direction"])
-        for direction in ("up", "down"):
-            decisions.add_metric([self.model_name, direction], float(auto["decisions"].get(direction, 0)))
-        yield decisions
+        yield from self._decision_families(auto, "", "")
         if auto.get("routers"):
             yield from self._router_autoscale_families(auto["routers"])
 
     def _router_autoscale_families(self, auto: dict[str, Any]) -> Iterator[Metric]:
         """The router pool's decisions (present only when routers are autoscaled)."""
         gauge = GaugeMetricFamily
-        yield self._family(gauge, "autoscale_desired_routers", "Routers the autoscaling policy wants",
-                           auto["desired_routers"])
-        yield self._family(gauge, "autoscale_actual_routers", "Routers serving now", auto["actual_routers"])
-        yield self._family(gauge, "autoscale_min_routers", "autoscale.min_routers", auto["min_routers"])
-        yield self._family(gauge, "autoscale_max_routers", "autoscale.max_routers", auto["max_routers"])
+        yield from self._pool_size_families(auto, "routers", "Routers")
         requests = auto.get("requests")
         per_router = requests / auto["actual_routers"] if requests is not None and auto["actual_routers"] else 0.0
         yield self._family(gauge, "autoscale_requests_per_router", "Running + waiting requests each router held, "
@@ -215,10 +201,24 @@ class EngineCollector:
                                auto.get("queue_s") or 0.0)
             yield self._family(gauge, "autoscale_target_queue_time_seconds", "autoscale.target_queue_s",
                                auto["target_queue_s"])
-        yield self._family(gauge, "autoscale_router_last_decision_timestamp_seconds", "Unix time of the last router "
-                           "decision (0: none yet)", auto["last_decision_time"] or 0.0)
-        decisions = CounterMetricFamily(PREFIX + "autoscale_router_decisions", "Router resizes the autoscaling "
-                                        "policy decided on, by direction (up: grow, down: shrink)",
+        yield from self._decision_families(auto, "router_", "router ")
+
+    def _pool_size_families(self, auto: dict[str, Any], pool: str, title: str) -> Iterator[Metric]:
+        """An autoscaled pool's desired and actual size and its limits (``pool``: workers or routers)."""
+        gauge = GaugeMetricFamily
+        yield self._family(gauge, f"autoscale_desired_{pool}", f"{title} the autoscaling policy wants",
+                           auto[f"desired_{pool}"])
+        yield self._family(gauge, f"autoscale_actual_{pool}", f"{title} serving now", auto[f"actual_{pool}"])
+        yield self._family(gauge, f"autoscale_min_{pool}", f"autoscale.min_{pool}", auto[f"min_{pool}"])
+        yield self._family(gauge, f"autoscale_max_{pool}", f"autoscale.max_{pool}", auto[f"max_{pool}"])
+
+    def _decision_families(self, auto: dict[str, Any], tag: str, what: str) -> Iterator[Metric]:
+        """A pool's last decision time and its resizes by direction (``tag``/``what``: "" for the
+        workers, "router_"/"router " for the routers)."""
+        yield self._family(GaugeMetricFamily, f"autoscale_{tag}last_decision_timestamp_seconds",
+                           f"Unix time of the last {what}decision (0: none yet)", auto["last_decision_time"] or 0.0)
+        doc = f"{what}resizes the autoscaling policy decided on, by direction (up: grow, down: shrink)"
+        decisions = CounterMetricFamily(PREFIX + f"autoscale_{tag}decisions", doc[0].upper() + doc[1:],
                                         labels=["model_name", "direction"])
         for direction in ("up", "down"):
             decisions.add_metric([self.model_name, direction], float(auto["decisions"].get(direction, 0)))
