@@ -51,7 +51,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raymoe.actors.recovery import CALL_TIMEOUT_S, PING_TIMEOUT_S, _describe, _gather, join_ep_group
+from raymoe.actors.recovery import CALL_TIMEOUT_S, PING_TIMEOUT_S, _describe, join_ep_group
 from raymoe.actors.expert_worker import migration_mark
 from raymoe.actors.worker_spec import start_worker
 from raymoe.moe.placement import PlacementTable
@@ -144,10 +144,12 @@ class Resize:
         finally:
             self._resize_lock.release()
 
-    def _refused(self, message: str, status: int) -> dict[str, Any]:
+    def _refused(self, message: str, status: int, pool: str = "workers") -> dict[str, Any]:
+        """A resize of ``pool`` (``workers`` or ``routers``, the controller's list of them)
+        refused, nothing changed: counted, with the pool's size."""
         self._count("resizes_refused")
         return {"resized": False, "refused": True, "error": message, "status": status,
-                "workers": len(self.workers), "time": time.time()}
+                pool: len(getattr(self, pool)), "time": time.time()}
 
     # ---- growing -----------------------------------------------------------------------
     def _grow(self, target: int, ready_timeout_s: float) -> dict[str, Any]:

@@ -61,26 +61,26 @@ class RouterResize:
         new size), ``pause_s`` (the group rebuild), ``drain_s`` (a shrink's wait for the leaving
         routers' requests); refused: ``refused`` True, ``error`` and ``status`` (400, 409)."""
         if type(routers) is not int or routers < 1:
-            return self._router_refusal(f"routers must be an integer >= 1, got {routers!r}", 400)
+            return self._refused(f"routers must be an integer >= 1, got {routers!r}", 400, "routers")
         if not self._resize_lock.acquire(blocking=False):
-            return self._router_refusal("another resize is running; try again when it has finished", 409)
+            return self._refused("another resize is running; try again when it has finished", 409, "routers")
         try:
             before = len(self.routers)
             if self.routers_out:
-                return self._router_refusal(f"routers {sorted(self.routers_out)} were lost and are being restarted; "
-                                            "resizing waits until the deployment is whole again", 409)
+                return self._refused(f"routers {sorted(self.routers_out)} were lost and are being restarted; "
+                                     "resizing waits until the deployment is whole again", 409, "routers")
             if self.degraded is not None or self._recover_lock.locked():
-                return self._router_refusal("a recovery is running; resizing waits until the deployment is whole "
-                                            "again", 409)
+                return self._refused("a recovery is running; resizing waits until the deployment is whole "
+                                     "again", 409, "routers")
             if self.router_spec is None:
-                return self._router_refusal("this controller has no router recipe (it was not started by deploy); "
-                                            "it cannot start routers", 400)
+                return self._refused("this controller has no router recipe (it was not started by deploy); "
+                                     "it cannot start routers", 400, "routers")
             if routers == before:
                 return {"resized": False, "routers_before": before, "routers": before,
                         "reason": f"already {before} routers", "time": time.time()}
             if not self._rebalance_lock.acquire(timeout=RESIZE_REBALANCE_WAIT_S):
-                return self._router_refusal(f"a rebalance has been running for over {RESIZE_REBALANCE_WAIT_S:.0f} s; "
-                                            "try again when it has finished", 409)
+                return self._refused(f"a rebalance has been running for over {RESIZE_REBALANCE_WAIT_S:.0f} s; "
+                                     "try again when it has finished", 409, "routers")
             self.resizing = {"routers": routers, "since": time.time()}
             try:
                 report = (self._grow_routers(routers, ready_timeout_s) if routers > before
@@ -95,11 +95,6 @@ class RouterResize:
             return report
         finally:
             self._resize_lock.release()
-
-    def _router_refusal(self, message: str, status: int) -> dict[str, Any]:
-        self._count("resizes_refused")
-        return {"resized": False, "refused": True, "error": message, "status": status,
-                "routers": len(self.routers), "time": time.time()}
 
     def _members(self) -> list[int]:
         return list(range(len(self.workers)))

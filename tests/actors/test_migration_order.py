@@ -24,7 +24,7 @@ from collections import defaultdict
 import pytest
 import ray
 
-from ep_helpers import GREEDY, cluster_config, prompts
+from ep_helpers import cluster_config, prompts
 from raymoe.actors.expert_worker import ExpertWorker, migration_mark
 from raymoe.actors.router import Router
 from raymoe.cluster.deploy import deploy
