@@ -267,22 +267,21 @@ def plot(result: dict, path: str) -> None:
                  label="requests the routers hold (window mean at the last router decision)")
     axes[0].set_ylabel("concurrency", fontsize=8)
     axes[0].legend(fontsize=7, loc="upper right")
-    axes[1].step(t, [s["workers"] for s in ok], where="post", lw=1.2, label="expert workers")
-    axes[1].step(t, [s["desired"] for s in ok], where="post", lw=0.8, ls="--", label="desired")
-    if result["nodes"]:
-        axes[1].step([n["t"] for n in result["nodes"] if "error" not in n],
-                     [n["expert_nodes"] for n in result["nodes"] if "error" not in n], where="post", lw=0.8, ls=":",
-                     label="expert nodes (Ray's autoscaler)")
-    axes[1].set_ylabel("workers", fontsize=8)
-    axes[1].legend(fontsize=7, loc="upper right")
-    axes[2].step(t, [s["routers"] for s in ok], where="post", lw=1.2, label="routers")
-    axes[2].step(t, [s["desired_routers"] for s in ok], where="post", lw=0.8, ls="--", label="desired")
-    if result["nodes"]:
-        axes[2].step([n["t"] for n in result["nodes"] if "error" not in n],
-                     [n["router_nodes"] for n in result["nodes"] if "error" not in n], where="post", lw=0.8, ls=":",
-                     label="router nodes")
-    axes[2].set_ylabel("routers", fontsize=8)
-    axes[2].legend(fontsize=7, loc="upper right")
+    nodes = [n for n in result["nodes"] if "error" not in n]
+
+    def pool_panel(ax, size: str, desired: str, label: str, node_key: str, node_label: str, ylabel: str) -> None:
+        """A pool's size, what the policy wanted, and (on an AutoscalingCluster) its nodes."""
+        ax.step(t, [s[size] for s in ok], where="post", lw=1.2, label=label)
+        ax.step(t, [s[desired] for s in ok], where="post", lw=0.8, ls="--", label="desired")
+        if result["nodes"]:
+            ax.step([n["t"] for n in nodes], [n[node_key] for n in nodes], where="post", lw=0.8, ls=":",
+                    label=node_label)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.legend(fontsize=7, loc="upper right")
+
+    pool_panel(axes[1], "workers", "desired", "expert workers", "expert_nodes", "expert nodes (Ray's autoscaler)",
+               "workers")
+    pool_panel(axes[2], "routers", "desired_routers", "routers", "router_nodes", "router nodes", "routers")
     itl_t, itl_p50, itl_p90 = result["itl"]
     axes[3].plot(itl_t, itl_p50, lw=1.0, label="ITL p50")
     axes[3].plot(itl_t, itl_p90, lw=0.8, label="ITL p90")
