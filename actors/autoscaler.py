@@ -12,7 +12,7 @@ resize are. Its thread, every ``interval_s``:
    steps of the group and expert rows per MoE layer (``group_sample``), kept for the
    policy's window, with the running and waiting sequences the routers hold (no step but
    requests held is a stall, not idle); with router targets also each router's queue-time
-   histogram's count and sum (``Router.get_telemetry``; the sequences admitted
+   histogram's count and sum (``Router.requests_held``; the sequences admitted
    since the last read, and how long they waited) into ``RouterSample``s;
 2. asks :func:`raymoe.moe.autoscale_policy.decide` for the desired number of workers, given
    the pool's size and when it last changed (any worker resize: the autoscaler's, an
@@ -100,7 +100,7 @@ class Autoscaler:
         refs = {index: router.expert_loads_since.remote(cursors[index]["loads"] if cursors[index] else 0)
                 for index, router in enumerate(routers)}
         # (the requests held tell a stalled group from an idle one, for the workers too)
-        telemetry = {index: router.get_telemetry.remote() for index, router in enumerate(routers)}
+        telemetry = {index: router.requests_held.remote() for index, router in enumerate(routers)}
         everything = [*refs.values(), *telemetry.values()]
         ready = set(ray.wait(everything, num_returns=len(everything), timeout=LOAD_READ_TIMEOUT_S)[0])
         per_router: list[tuple[int, float]] = []

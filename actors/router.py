@@ -555,12 +555,18 @@ class Router:
         scheduler = self.engine.scheduler
         prefix = self.engine.prefix_cache_stats()
         blocks = self.engine.blocks
-        return dict(self.telemetry.snapshot(), requests_running=len(scheduler.running),
-                    requests_waiting=len(scheduler.waiting), generated_tokens=self.generated_tokens,
+        return dict(self.telemetry.snapshot(), **self.requests_held(), generated_tokens=self.generated_tokens,
                     prefix_cache_queries=prefix.num_queried_tokens, prefix_cache_hits=prefix.num_hit_tokens,
                     kv_cache_capacity_tokens=self.engine.kv_cache_capacity_tokens,
                     kv_cache_usage=1.0 - blocks.num_free_blocks / blocks.num_blocks,
-                    num_preemptions=scheduler.num_preemptions, queue_time=scheduler.queue_times.snapshot())
+                    num_preemptions=scheduler.num_preemptions)
+
+    def requests_held(self) -> dict[str, Any]:
+        """The running and waiting sequences and the queue-time histogram: the part of
+        ``get_telemetry`` the autoscaler reads every interval, without its step ring's copy."""
+        scheduler = self.engine.scheduler
+        return {"requests_running": len(scheduler.running), "requests_waiting": len(scheduler.waiting),
+                "queue_time": scheduler.queue_times.snapshot()}
 
     def expert_loads_since(self, cursor: int) -> tuple[int, Any]:
         return self.telemetry.expert_loads_since(cursor)

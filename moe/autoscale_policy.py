@@ -33,7 +33,7 @@ from toggling between the two sizes as the load wobbles, and the cooldown bounds
 a changing load can resize at all.
 
 **Routers** (:func:`decide_routers`, on when ``target_requests_per_router`` is set). The
-signal is the requests the routers hold (running plus waiting sequences, ``get_telemetry``),
+signal is the requests the routers hold (running plus waiting sequences, ``requests_held``),
 summed over routers and averaged over the window's polls: with clients that keep ``C``
 requests in flight it is ``C`` whatever ``R`` is, so the size it wants, ``ceil(requests /
 target_requests_per_router)`` within ``[min_routers, max_routers]``, is a fixed point exactly
