@@ -44,6 +44,12 @@ def test_skewed_load_is_rebalanced_and_balanced_load_is_left_alone(ray_session, 
             if deployment.status()["rebalances"] >= 1:
                 break
         status = deployment.status()
+        if status["rebalances"] < 1 and (status["last_decision"] or {}).get("rebalance"):
+            # Decided within those rounds and migrating: its copies run at the routers' marked
+            # ticks (actors/expert_worker.py), so it may end after the last round (seen once
+            # in CI: decided, 0 rebalances yet). It must still end, within a bounded time.
+            status = wait_for(lambda: (s := deployment.status())["rebalances"] >= 1 and s, 60,
+                              "the rebalance decided on to finish")
         assert status["rebalances"] >= 1, (status["last_rebalance"], status["last_decision"])
         last = status["last_rebalance"]
         assert last["balancedness_before"] < 0.5  # measured on the window that triggered it
