@@ -61,6 +61,7 @@ from raymoe.kernels import native_cpu, packed_linear
 from raymoe.kernels.expert_mlp import kernel_name
 from raymoe.kernels.comm import CommBackend, make_communicator, new_rendezvous
 from raymoe.kernels.comm.base import Communicator
+from raymoe.kernels.comm.wire import HEADER_KIND, KIND_SPLIT
 from raymoe.engine.hf_config import load_model_config
 from raymoe.moe.placement import PlacementTable
 
@@ -406,8 +407,11 @@ class ExpertWorker:
                         continue
                     rows, assignments, compute_s = 0, 0, 0.0
                     pool_rows = self.pool_rows  # one placement view for the whole step
-                    for layer in range(self.num_layers):  # (later layers' headers are read in serve_layer)
-                        result = exchange.serve_layer(layer, None if layer else headers, self.w13[layer],
+                    # A step in two micro-batches has two exchanges a layer (its first header says so).
+                    halves = 2 if headers[0][HEADER_KIND] == KIND_SPLIT else 1
+                    for index in range(self.num_layers * halves):  # (later headers are read in serve_layer)
+                        layer = index // halves
+                        result = exchange.serve_layer(index, None if index else headers, self.w13[layer],
                                                       self.w2[layer],
                                                       {epoch: rows_[layer] for epoch, rows_ in pool_rows.items()})
                         rows += result.rows

@@ -302,7 +302,8 @@ class Router:
                 # A new migration mark goes out first, in an idle tick every router sends in the
                 # same round (the agreement says whether any router has one): the workers run the
                 # copy queued under it right after that tick (actors/expert_worker.py).
-                step, tick = exchange.agree_round(has_work, mark != self._mark_sent)
+                step, tick, split = exchange.agree_round(has_work, mark != self._mark_sent,
+                                                         split=self._wants_micro_batches())
                 if tick:
                     exchange.idle_tick(mark)
                     self._mark_sent = mark
@@ -313,7 +314,7 @@ class Router:
                     continue
                 self.idle_rounds = 0
                 with self._lock:
-                    outputs = self._group_step(has_work)
+                    outputs = self._group_step(has_work, 2 if split else 1)
             except Exception as error:
                 if not isinstance(error, RECOVERABLE) and self.experts.exchange is exchange:
                     with self._lock:  # not the group's failure: every request in flight hears why
@@ -331,12 +332,19 @@ class Router:
                 self.generated_tokens += sum(len(output.new_token_ids) for output in outputs)
                 self._deliver([self._delta(output) for output in outputs])
 
-    def _group_step(self, has_work: bool) -> list[RequestOutput]:
+    def _wants_micro_batches(self) -> bool:
+        """Whether this router asks for the next step in two ping-ponged micro-batches: it holds at
+        least ``engine.micro_batch_min_seqs`` running sequences (0: never). Any router asking
+        splits the step for all (each runs its own batch in halves, or one half and an empty one)."""
+        least = self.engine.engine_config.micro_batch_min_seqs
+        return least > 0 and len(self.engine.scheduler.running) >= least
+
+    def _group_step(self, has_work: bool, micro_batches: int = 1) -> list[RequestOutput]:
         """This router's share of one group step (engine lock held): one forward of the oldest
         scoring job (at most the token budget: engine.PromptScoring), an engine step, or nothing;
         then zero rows for the MoE layers it did not reach. While requests are in flight,
-        scoring forwards and engine steps take turns."""
-        self.experts.begin_step()
+        scoring forwards and engine steps take turns. ``micro_batches``: as the routers agreed."""
+        self.experts.begin_step(micro_batches)
         outputs: list[RequestOutput] = []
         error: Exception | None = None
         job = None
@@ -598,7 +606,8 @@ class Router:
                 "niceness": os.nice(0),
                 "recoveries": self.recoveries, "comm_generation": self.comm_generation,
                 "last_failure": self.last_failure, "warm_up": self.warm_up,
-                "generated_tokens": self.generated_tokens}
+                "generated_tokens": self.generated_tokens, "micro_batched_steps": self.experts.micro_batched_steps,
+                "ping_pong_steps": self.experts.ping_pongs}
 
     def shutdown(self) -> None:
         with self._wake:

@@ -182,6 +182,9 @@ class EngineSection(_Section):
     block_size: Positive = 16
     max_model_len: Positive | None = None  # default: the model's max_position_embeddings
     kv_cache_bytes: Positive = 512 * 2**20
+    # a step runs in two ping-ponged micro-batches (one half's attention beside the other's
+    # experts) once a router holds this many running sequences; 0: never (docs/BENCHMARKS.md)
+    micro_batch_min_seqs: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class IngressMode(enum.Enum):

@@ -65,6 +65,7 @@ def engine_config(config: ClusterConfig) -> EngineConfig:
         scheduler=SchedulerConfig(config.engine.max_num_seqs, config.engine.max_num_batched_tokens,
                                   config.engine.prefill_step_slowdown),
         capacity=CapacityConfig(config.capacity.factor, config.capacity.overflow),
+        micro_batch_min_seqs=config.engine.micro_batch_min_seqs,
     )
 
 

@@ -67,6 +67,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     keep_logits: bool = False  # attach each step's logits row to the outputs (tests, debugging)
+    # With expert workers: a step runs in two ping-ponged micro-batches when the router holds at
+    # least this many running sequences (engine/model.py::forward_micro_batches); 0: never.
+    micro_batch_min_seqs: int = 0
 
 
 @dataclass
@@ -279,7 +282,25 @@ class LLMEngine:
 
     def _run(self, sequences: list[Sequence], num_new_tokens: list[int]) -> torch.Tensor:
         """Compute the next ``num_new_tokens[i]`` tokens of each sequence (from its
-        ``num_computed`` on; its blocks already hold room for them) and advance ``num_computed``."""
+        ``num_computed`` on; its blocks already hold room for them) and advance ``num_computed``.
+        In a step the expert backend runs in two micro-batches, the sequences are cut in two
+        contiguous halves of about equal tokens, ping-ponged (``MoEModel.forward_micro_batches``):
+        the hidden states come back in the same order."""
+        cut = _micro_batch_cut(num_new_tokens) if getattr(self.model.experts, "micro_batches", 1) == 2 else None
+        with torch.inference_mode():
+            if cut is None:
+                hidden = self.model.forward(*self._inputs(sequences, num_new_tokens), self.cache)
+            else:
+                halves = self.model.forward_micro_batches(self._inputs(sequences[:cut], num_new_tokens[:cut]),
+                                                          self._inputs(sequences[cut:], num_new_tokens[cut:]),
+                                                          self.cache)
+                hidden = torch.cat(halves)
+        for sequence, count in zip(sequences, num_new_tokens):
+            sequence.num_computed += count
+        return hidden
+
+    def _inputs(self, sequences: list[Sequence], num_new_tokens: list[int]):
+        """``(input_ids [T], positions [T], attention metadata)`` of these sequences' next tokens, on the device."""
         input_ids: list[int] = []
         positions: list[int] = []
         for sequence, count in zip(sequences, num_new_tokens):
@@ -293,16 +314,8 @@ class LLMEngine:
             self.blocks.block_size,
         )
         device = self.device
-        with torch.inference_mode():
-            hidden = self.model.forward(
-                torch.tensor(input_ids, dtype=torch.int64, device=device),
-                torch.tensor(positions, dtype=torch.int64, device=device),
-                _to_device(metadata, device),
-                self.cache,
-            )
-        for sequence, count in zip(sequences, num_new_tokens):
-            sequence.num_computed += count
-        return hidden
+        return (torch.tensor(input_ids, dtype=torch.int64, device=device),
+                torch.tensor(positions, dtype=torch.int64, device=device), _to_device(metadata, device))
 
     def _postprocess(
         self, sequence: Sequence, token: int, logprob: float, top, logits: torch.Tensor | None
@@ -567,6 +580,19 @@ def _grammar_compiler(model_dir: str, config: ModelConfig) -> GrammarCompiler | 
     except ImportError:
         LOG.warning("xgrammar is not installed: response_format (structured output) is refused")
         return None
+
+
+def _micro_batch_cut(num_new_tokens: list[int]) -> int | None:
+    """Where two micro-batches of about equal tokens split a step's sequences (the first
+    sequence of the second half), or None for a batch of one sequence."""
+    if len(num_new_tokens) < 2:
+        return None
+    half, total = sum(num_new_tokens) / 2, 0
+    for index, count in enumerate(num_new_tokens[:-1]):
+        total += count
+        if total >= half:
+            return index + 1
+    return len(num_new_tokens) - 1
 
 
 def _to_device(metadata: AttentionMetadata, device: torch.device) -> AttentionMetadata:

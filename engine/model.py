@@ -68,23 +68,71 @@ class MoEModel:
         cos, sin = rope_tables(config.rope, config.max_position_embeddings)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
         self.attention = attention_backend(config, weights.embed.dtype, device)
+        self._second_attention: AttentionBackend | None = None  # the other micro-batch's (made on first use)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, cache: KVCache
     ) -> torch.Tensor:
         """``input_ids, positions: [T]`` -> final hidden states ``[T, D]`` (after the last norm)."""
+        layers = self._layers(input_ids, positions, metadata, cache, self.attention)
+        routed = None
+        while True:
+            try:
+                request = layers.send(routed)
+            except StopIteration as done:
+                return done.value
+            routed = self.experts.forward(*request)
+
+    def forward_micro_batches(self, first: tuple, second: tuple, cache: KVCache) -> list[torch.Tensor]:
+        """Two micro-batches (each ``(input_ids, positions, metadata)`` of its own sequences)
+        through every layer, ping-ponged at each MoE layer: one half's experts run on the
+        workers (``experts.start`` returns once its rows are sent) while this thread runs the
+        other half's attention; ``experts.finish`` takes the sums back (MegaScale-Infer's and
+        Step-3's schedule). Each half's hidden states ``[T_i, D]`` are what :meth:`forward` gives
+        for it alone. Only for an expert backend with ``micro_batches == 2`` this step
+        (engine/exchange/remote_experts.py)."""
+        if self._second_attention is None:  # (FlashInfer's wrappers hold one plan each)
+            self._second_attention = attention_backend(self.config, self.weights.embed.dtype,
+                                                       self.weights.embed.device)
+        halves = [self._layers(*first, cache, self.attention), self._layers(*second, cache, self._second_attention)]
+        handles: list = [None, None]
+        hidden: list = [None, None]
+        while halves[0] is not None or halves[1] is not None:
+            for half, layers in enumerate(halves):
+                if layers is None:
+                    continue
+                routed = None if handles[half] is None else self.experts.finish(handles[half])
+                try:
+                    moe_layer, h, topk_ids, topk_weights = layers.send(routed)
+                except StopIteration as done:
+                    hidden[half], halves[half], handles[half] = done.value, None, None
+                    continue
+                handles[half] = self.experts.start(moe_layer, half, h, topk_ids, topk_weights)
+        return hidden
+
+    def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                cache: KVCache, attention: AttentionBackend):
+        """The decoder over one batch, as a generator: at each MoE layer it yields ``(moe_layer,
+        h, topk_ids, topk_weights)`` and is sent back the routed experts' output ``[T, D]``; it
+        returns the final hidden states. Whoever drives it reaches the experts (:meth:`forward`
+        at once, :meth:`forward_micro_batches` ping-ponged)."""
         config = self.config
         x = self.weights.embed.index_select(0, input_ids)  # [T, D]
         interleaved = config.attention is AttentionKind.MLA and config.mla.rope_interleave
         cos, sin = rope_rows(self.rope_cos, self.rope_sin, positions, x.dtype, interleaved)  # [T, 1, Dr]
-        step = self.attention.plan(metadata, cache.block_size)
+        step = attention.plan(metadata, cache.block_size)
         attend = self._mla if config.attention is AttentionKind.MLA else self._gqa
         eps, feed_forward = config.rms_norm_eps, None  # each residual add goes with the norm after it
         for index, layer in enumerate(self.weights.layers):
             x, h = add_rms_norm(x, feed_forward, layer.input_norm, eps)
             attended = attend(h, layer.attention, cos, sin, cache.layer(index), metadata.slot_mapping, step)
             x, h = add_rms_norm(x, attended, layer.post_attention_norm, eps)
-            feed_forward = self._feed_forward(index, layer, h)
+            if layer.dense_mlp is not None:
+                feed_forward = _mlp(h, layer.dense_mlp)
+                continue
+            topk_ids, topk_weights = self._route(layer, h)
+            routed = yield config.moe_index(index), h, topk_ids, topk_weights
+            feed_forward = self._add_shared(layer, h, routed)
         return add_rms_norm(x, feed_forward, self.weights.final_norm, eps)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -145,22 +193,23 @@ class MoEModel:
         return linear(out.reshape(num_tokens, -1), w.o_proj)
 
     # ---- feed forward --------------------------------------------------------------
-    def _feed_forward(self, index: int, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    def _route(self, layer: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``topk_ids, topk_weights: [T, k]`` of a MoE layer."""
         c = self.config
-        if layer.dense_mlp is not None:
-            return _mlp(h, layer.dense_mlp)
         if c.gate.has_correction_bias:
             router_logits = F.linear(h.float(), layer.router.float())  # [T, E], float32 like the reference
         else:
             router_logits = F.linear(h, layer.router)
-        topk_ids, topk_weights = route(router_logits, c.gate, layer.correction_bias)  # [T, k]
-        out = self.experts.forward(c.moe_index(index), h, topk_ids, topk_weights)
-        if layer.shared_mlp is not None:
-            shared = _mlp(h, layer.shared_mlp)
-            if c.shared_expert is SharedExpertKind.SIGMOID_GATED:
-                shared = torch.sigmoid(F.linear(h, layer.shared_gate)) * shared
-            out = out + shared
-        return out
+        return route(router_logits, c.gate, layer.correction_bias)
+
+    def _add_shared(self, layer: LayerWeights, h: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The routed output plus the shared experts' (where the model has them)."""
+        if layer.shared_mlp is None:
+            return routed
+        shared = _mlp(h, layer.shared_mlp)
+        if self.config.shared_expert is SharedExpertKind.SIGMOID_GATED:
+            shared = torch.sigmoid(F.linear(h, layer.shared_gate)) * shared
+        return routed + shared
 
 
 def _mlp(h: torch.Tensor, w: MLPWeights) -> torch.Tensor:

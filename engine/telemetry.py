@@ -112,11 +112,14 @@ class Telemetry:
         self._bytes_received += traffic.bytes_received
         self._current.dispatch_s += traffic.dispatch_s
         self._current.combine_s += traffic.exchange_s  # the expert part comes out in end_step
-        self._current.tokens = num_tokens
+        tokens = self._layer_tokens
+        tokens[layer] = tokens.get(layer, 0) + num_tokens  # (a micro-batched step: each half adds its own)
+        self._current.tokens = max(tokens.values())
 
     def begin_step(self, started: float = 0.0) -> None:
         self._current = StepRecord(started=started)
         self._layer_counts: list = []
+        self._layer_tokens: dict[int, int] = {}
         self._bytes_sent = self._bytes_received = 0
 
     def end_step(self, dense_s: float, expert_s: float, epoch: int, phy2log: np.ndarray) -> None:
@@ -129,21 +132,22 @@ class Telemetry:
         load = np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
         records = self._layer_counts
         if records:
-            layers = np.array([layer for layer, _, _, _ in records], dtype=np.intp)  # each at most once a step
+            # (a layer appears twice in a micro-batched step, once a half: added up)
+            layers = np.array([layer for layer, _, _, _ in records], dtype=np.intp)
             counts = np.array([slots for _, slots, _, _ in records], dtype=np.int64)  # [Lr, P]
             rows = np.array([per_worker for _, _, per_worker, _ in records], dtype=np.int64).sum(axis=0)  # [W]
             experts = phy2log[layers]  # a logical expert's tokens: the counts of the slots holding it
             held = experts >= 0
-            flat = (np.arange(len(records))[:, None] * self.num_experts + experts)[held]
-            load[layers] = np.bincount(flat, weights=counts[held], minlength=len(records) * self.num_experts
-                                       ).reshape(len(records), self.num_experts).astype(np.int64)
+            flat = (layers[:, None] * self.num_experts + experts)[held]
+            load = np.bincount(flat, weights=counts[held], minlength=self.num_layers * self.num_experts
+                               ).reshape(self.num_layers, self.num_experts).astype(np.int64)
             self._current.rows_sent = int(rows.sum())
         dropped_tensors = [dropped.to(torch.int64) for _, _, _, dropped in records if dropped is not None]
         if dropped_tensors:  # the step's one host read of its drop counts
             flat_dropped = np.asarray(torch.cat(dropped_tensors).tolist(), dtype=np.int64).reshape(-1, self.num_workers)
         with self._lock:
             if records:
-                self.slot_tokens[layers] += counts
+                np.add.at(self.slot_tokens, layers, counts)
                 self.worker_rows += rows
                 self.worker_bytes_sent += rows * self._row_bytes
                 self.worker_bytes_received += rows * self._row_bytes

@@ -64,30 +64,31 @@ def worker_layer(fds: array.array, wake_fd: int, recv_numbers: array.array, send
 
 def router_layer(fds: array.array, workers: array.array, wake_fd: int, recv_numbers: array.array,
                  send_numbers: array.array, send_counts: array.array, slot_counts: array.array, slots: int,
-                 epoch: int, dispatch_checksum: int, packed: torch.Tensor | None, row_bytes: int,
-                 received: torch.Tensor, sum_bytes: int, timeout_s: float, info: array.array) -> int:
+                 epoch: int, dispatch_checksum: int, kind: int, parts: int, packed: torch.Tensor | None,
+                 row_bytes: int, received: torch.Tensor, sum_bytes: int, timeout_s: float, info: array.array) -> int:
     """A router's side of one MoE layer in one call: to each worker (``fds`` int32, ``workers``
-    int64: their sockets and worker indices, in rank order) its header and its rows of ``packed``
-    (the plan's rows in worker order, ``row_bytes`` each; None with no rows), then every worker's
-    sums and trailer into ``received`` (contiguous uint8, in rank order). ``send_counts`` /
-    ``slot_counts`` (int64) are the plan's, over every worker of the placement. Returns the
-    status (``DONE`` or a transport's), details in ``info``; releases the GIL."""
+    int64: their sockets and worker indices, in rank order) its header (of ``kind``) and its rows
+    of ``packed`` (the plan's rows in worker order, ``row_bytes`` each; None with no rows), then
+    every worker's sums and trailer into ``received`` (contiguous uint8, in rank order).
+    ``send_counts`` / ``slot_counts`` (int64) are the plan's, over every worker of the placement.
+    ``parts`` (``wire.Part``): the send half, the receive half, or both. Returns the status
+    (``DONE`` or a transport's), details in ``info``; releases the GIL."""
     return STATE.library.raymoe_router_layer(
         fds.buffer_info()[0], workers.buffer_info()[0], len(fds), wake_fd, recv_numbers.buffer_info()[0],
         send_numbers.buffer_info()[0], send_counts.buffer_info()[0], slot_counts.buffer_info()[0], slots, epoch,
-        dispatch_checksum, None if packed is None else packed.data_ptr(), row_bytes, received.data_ptr(), sum_bytes,
-        max(1, int(timeout_s * 1e9)), info.buffer_info()[0])
+        dispatch_checksum, kind, parts, None if packed is None else packed.data_ptr(), row_bytes, received.data_ptr(),
+        sum_bytes, max(1, int(timeout_s * 1e9)), info.buffer_info()[0])
 
 
 def router_empty_layers(fds: array.array, wake_fd: int, recv_numbers: array.array, send_numbers: array.array,
-                        dispatch_checksums: array.array, slots: int, epoch: int, received: torch.Tensor,
-                        timeout_s: float, info: array.array) -> int:
+                        dispatch_checksums: array.array, slots: int, epoch: int, first_kind: int,
+                        received: torch.Tensor, timeout_s: float, info: array.array) -> int:
     """A router's side of several MoE layers without rows in one call: every layer's header (one
-    checksum each in ``dispatch_checksums``, int64) to each worker (``fds``, in rank order) at
-    once, then every layer's trailer from each into ``received`` (contiguous uint8,
-    ``[layers][workers][TRAILER_BYTES]``). Statuses and ``info`` as :func:`router_layer`'s;
-    releases the GIL."""
+    checksum each in ``dispatch_checksums``, int64; the first of kind ``first_kind``, the others
+    ``KIND_STEP``) to each worker (``fds``, in rank order) at once, then every layer's trailer
+    from each into ``received`` (contiguous uint8, ``[layers][workers][TRAILER_BYTES]``).
+    Statuses and ``info`` as :func:`router_layer`'s; releases the GIL."""
     return STATE.library.raymoe_router_empty_layers(
         fds.buffer_info()[0], len(fds), wake_fd, recv_numbers.buffer_info()[0], send_numbers.buffer_info()[0],
-        len(dispatch_checksums), dispatch_checksums.buffer_info()[0], slots, epoch, received.data_ptr(),
+        len(dispatch_checksums), dispatch_checksums.buffer_info()[0], slots, epoch, first_kind, received.data_ptr(),
         max(1, int(timeout_s * 1e9)), info.buffer_info()[0])

@@ -18,7 +18,7 @@ from concurrent.futures import Executor
 
 import torch
 
-from raymoe.engine.exchange.sides import RouterExchange, WorkerExchange, WorkerLayerResult
+from raymoe.engine.exchange.sides import PendingExchange, RouterExchange, WorkerExchange, WorkerLayerResult
 from raymoe.kernels import native_exchange
 from raymoe.kernels.comm.base import Communicator
 from raymoe.kernels.comm.errors import CollectiveMismatch, CommError
@@ -29,6 +29,7 @@ from raymoe.kernels.comm.wire import (
     GroupLayout,
     Info,
     LayerFlag,
+    Part,
     Status,
     header_width,
     layer_tags,
@@ -49,23 +50,23 @@ class NativeRouterExchange(RouterExchange):
         super().__init__(comm, layout, router_index, num_workers, slots_per_worker, top_k, hidden_size, dtype, device)
         self._workers_in_rank_order = array.array("q", self._rank_of_worker)
 
-    def _transfer_layer(self, layer: int, epoch: int, counts: list[int], slot_counts: list[int],
-                        packed: torch.Tensor | None, received: torch.Tensor) -> None:
-        tag, checksum, _, _ = layer_tags(layer)
+    def _transfer_layer(self, pending: PendingExchange, parts: Part) -> None:
+        tag, checksum, _, _ = layer_tags(pending.layer)
         timeout_s = self.comm.timeout_s
+        counts, slot_counts = array.array("q", pending.counts), array.array("q", pending.slot_counts)
         self._run(tag, "raymoe_router_layer", timeout_s, lambda fds, wake, numbers, sent, info: (
             native_exchange.router_layer(
-                fds, self._workers_in_rank_order, wake, numbers, sent, array.array("q", counts),
-                array.array("q", slot_counts), self.slots_per_worker, epoch, checksum, packed, self.format.row_bytes,
-                received, self.combine_row_bytes, timeout_s, info)))
+                fds, self._workers_in_rank_order, wake, numbers, sent, counts, slot_counts, self.slots_per_worker,
+                pending.epoch, checksum, pending.kind, int(parts), pending.packed, self.format.row_bytes,
+                pending.received, self.combine_row_bytes, timeout_s, info)))
 
-    def _exchange_empty(self, layers: range, epoch: int, tag: str, timeout_s: float) -> torch.Tensor:
+    def _exchange_empty(self, layers: range, epoch: int, first_kind: int, tag: str, timeout_s: float) -> torch.Tensor:
         # one native call: no Python wake-up per trailer
         received = torch.empty(len(layers) * len(self._worker_ranks), TRAILER_BYTES, dtype=torch.uint8)
         checksums = array.array("q", [layer_tags(layer)[1] for layer in layers])
         self._run(tag, "raymoe_router_empty_layers", timeout_s, lambda fds, wake, numbers, sent, info: (
             native_exchange.router_empty_layers(fds, wake, numbers, sent, checksums, self.slots_per_worker, epoch,
-                                                received, timeout_s, info)))
+                                                first_kind, received, timeout_s, info)))
         return received
 
     def _run(self, tag: str, name: str, timeout_s: float, routine) -> None:

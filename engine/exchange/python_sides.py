@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import torch
 
-from raymoe.engine.exchange.sides import RouterExchange, WorkerExchange, WorkerLayerResult, to_device
+from raymoe.engine.exchange.sides import PendingExchange, RouterExchange, WorkerExchange, WorkerLayerResult, to_device
 from raymoe.engine.experts import run_assignments, run_rows
 from raymoe.kernels import native_cpu
 from raymoe.kernels.comm.base import Communicator
@@ -37,10 +37,12 @@ from raymoe.kernels.comm.wire import (
     HEADER_MARK,
     HEADER_ROWS,
     KIND_IDLE,
+    KIND_SPLIT,
     KIND_STEP,
     TRAILER,
     TRAILER_BYTES,
     GroupLayout,
+    Part,
     header_width,
     layer_tags,
 )
@@ -51,34 +53,41 @@ native_run_rows = native_cpu.run_rows  # (a module name: benchmarks/served_phase
 class PythonRouterExchange(RouterExchange):
     """A router's side, each layer's messages through ``comm.transfer``."""
 
-    def _transfer_layer(self, layer: int, epoch: int, counts: list[int], slot_counts: list[int],
-                        packed: torch.Tensor | None, received: torch.Tensor) -> None:
-        tag, checksum, _, _ = layer_tags(layer)
+    def _transfer_layer(self, pending: PendingExchange, parts: Part) -> None:
+        tag, checksum, _, _ = layer_tags(pending.layer)
         S = self.slots_per_worker
-        # Every worker's header in one tensor, one row each (one non-blocking copy from pinned
-        # memory on a GPU: no host sync).
-        headers = to_device(torch.tensor([[counts[worker], checksum, epoch, KIND_STEP,
-                                           *slot_counts[worker * S:(worker + 1) * S]]
-                                          for worker in self._rank_of_worker], dtype=torch.int64), self.device)
-        row_bytes = self.combine_row_bytes
-        back = self.rows_back(counts, slot_counts)
+        counts, slot_counts = pending.counts, pending.slot_counts
         sends, recvs = [], []
-        start = offset = 0
-        for index, (worker, rank) in enumerate(self._rank_of_worker.items()):
-            count = counts[worker]
-            sends.append((rank, headers[index]))
-            if count:
-                sends.append((rank, packed[start:start + count]))
-            size = back[worker] * row_bytes + TRAILER_BYTES
-            recvs.append((rank, received[offset:offset + size]))
-            start += count
-            offset += size
-        self.comm.transfer(sends, recvs, tag=tag)
+        if parts & Part.SEND:
+            # Every worker's header in one tensor, one row each (one non-blocking copy from pinned
+            # memory on a GPU: no host sync).
+            headers = to_device(torch.tensor([[counts[worker], checksum, pending.epoch, pending.kind,
+                                               *slot_counts[worker * S:(worker + 1) * S]]
+                                              for worker in self._rank_of_worker], dtype=torch.int64), self.device)
+            start = 0
+            for index, (worker, rank) in enumerate(self._rank_of_worker.items()):
+                count = counts[worker]
+                sends.append((rank, headers[index]))
+                if count:
+                    sends.append((rank, pending.packed[start:start + count]))
+                start += count
+        if parts & Part.RECEIVE:
+            row_bytes = self.combine_row_bytes
+            back = self.rows_back(counts, slot_counts)
+            offset = 0
+            for worker, rank in self._rank_of_worker.items():
+                size = back[worker] * row_bytes + TRAILER_BYTES
+                recvs.append((rank, pending.received[offset:offset + size]))
+                offset += size
+        # A send alone needs no host wait (on NCCL torch's stream waits for it; the rows stay
+        # alive in ``pending`` until the sums are received, which cannot complete before it).
+        self.comm.transfer(sends, recvs, tag=tag, wait=bool(recvs))
 
-    def _exchange_empty(self, layers: range, epoch: int, tag: str, timeout_s: float) -> torch.Tensor:
+    def _exchange_empty(self, layers: range, epoch: int, first_kind: int, tag: str, timeout_s: float) -> torch.Tensor:
         ranks = self._worker_ranks
         headers = torch.zeros(len(layers) * len(ranks), header_width(self.slots_per_worker), dtype=torch.int64)
         headers[:, HEADER_EPOCH], headers[:, HEADER_KIND] = epoch, KIND_STEP
+        headers[:len(ranks), HEADER_KIND] = first_kind
         for index, layer in enumerate(layers):
             headers[index * len(ranks):(index + 1) * len(ranks), HEADER_CHECKSUM] = layer_tags(layer)[1]
         received = torch.empty(len(layers) * len(ranks), TRAILER_BYTES, dtype=torch.uint8, device=self.device)
@@ -121,7 +130,7 @@ class PythonWorkerExchange(WorkerExchange):
         if kinds == {KIND_IDLE} and layer == 0:
             self.tick_marks = [fields[HEADER_MARK] for fields in headers]
             return None
-        if kinds != {KIND_STEP}:
+        if kinds != {KIND_STEP} and not (kinds == {KIND_SPLIT} and layer == 0):  # (a micro-batched step)
             raise CommError(f"collective {tag!r}: routers disagree on whether this is a step (kinds {sorted(kinds)})")
         return headers
 

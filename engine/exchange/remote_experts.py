@@ -5,22 +5,47 @@ apart. Because every router of a deployment steps together over one group, a ste
 the router calls :meth:`begin_step`, runs its engine step (or nothing, when it has no work),
 then :meth:`complete_step`, which exchanges zero rows for every MoE layer the step did not
 reach, so that every rank issues the same messages whatever happened on this router.
+
+A step may run in two micro-batches (``begin_step(micro_batches=2)``, agreed by every router):
+then each MoE layer has two exchanges, numbered ``2 * layer + micro_batch``, the first of the
+step's headers says ``KIND_SPLIT``, and the engine ping-pongs its two halves
+(engine/model.py::MoEModel.forward_micro_batches): :meth:`start` sends one half's rows and
+returns at once, so the router runs the other half's attention while the workers run these
+experts, and :meth:`finish` takes the sums back. A router whose batch does not split (one
+sequence, a scoring forward) runs :meth:`forward`, which sends the other half's exchange empty.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from raymoe.engine.exchange.ep_exchange import RouterExchange
-from raymoe.engine.telemetry import Telemetry
+from raymoe.engine.exchange.sides import PendingExchange
+from raymoe.engine.telemetry import LayerTraffic, Telemetry
 from raymoe.kernels import native_cpu
 from raymoe.kernels.comm.errors import CommError
-from raymoe.kernels.comm.wire import RowFormat
+from raymoe.kernels.comm.wire import KIND_SPLIT, KIND_STEP, RowFormat
 from raymoe.moe.capacity import CapacityConfig, OverflowPolicy, keep_mask
 from raymoe.moe.exchange_plan import ExchangePlan, plan_exchange, plan_exchange_on_host
 from raymoe.moe.placement import PlacementTable
+
+
+@dataclass
+class ExpertHandle:
+    """One layer's exchange of one micro-batch, from :meth:`RemoteExperts.start` to its finish."""
+
+    moe_layer: int
+    plan: ExchangePlan
+    kept: torch.Tensor | None
+    topk_ids: torch.Tensor
+    hidden: torch.Tensor
+    log2phy: torch.Tensor
+    pending: PendingExchange | None = None
+    out: torch.Tensor | None = None
+    traffic: LayerTraffic | None = None
 
 
 class RemoteExperts:
@@ -34,11 +59,15 @@ class RemoteExperts:
         self.exchange: RouterExchange | None = None  # set when the router joins the group
         self._step_exchange: RouterExchange | None = None
         self._tables = self._index_tables(placement)
-        self._cursor = 0  # the next MoE layer this step exchanges
+        self._cursor = 0  # the next exchange of this step (its MoE layer, times 2 in a split step)
         self._real = False  # whether this step carried any of this router's tokens
         self._step_started = 0.0
         self._moe_seconds = 0.0
         self._row_format: RowFormat | None = None  # the native planner's rows (set on its first layer)
+        self.micro_batches = 1  # this step's (begin_step)
+        self.micro_batched_steps = 0  # steps begun in two micro-batches
+        self.ping_pongs = 0  # of those, steps whose own batch ran in two halves (start/finish)
+        self._in_flight: ExpertHandle | None = None  # sent and not yet received (micro-batches)
 
     def _index_tables(self, placement: PlacementTable) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [
@@ -56,11 +85,18 @@ class RemoteExperts:
         self._tables = self._index_tables(placement)
 
     # ---- step framing -------------------------------------------------------------------
-    def begin_step(self) -> None:
+    def begin_step(self, micro_batches: int = 1) -> None:
+        """Frame a step. ``micro_batches``: 2 when the routers agreed to split it (every router
+        then numbers its exchanges so, whatever its own batch)."""
         if self.exchange is None:  # a CommError, so the router waits for the supervisor's rebuild
             raise CommError("the router is not joined with its expert workers (no communicator)")
+        if micro_batches not in (1, 2):
+            raise ValueError(f"micro_batches must be 1 or 2, not {micro_batches}")
         self._step_exchange = self.exchange  # the whole step uses one group, even if the
         # supervisor swaps or aborts it meanwhile (an aborted one fails with a CommError)
+        self.micro_batches = micro_batches
+        self.micro_batched_steps += micro_batches == 2
+        self._in_flight = None
         self._cursor = 0
         self._real = False
         self._step_started = time.perf_counter()
@@ -69,22 +105,68 @@ class RemoteExperts:
 
     def complete_step(self) -> None:
         """Exchange zero rows for the layers this step did not reach (all at once); record the step."""
-        self._step_exchange.exchange_empty(range(self._cursor, self.placement.num_layers), self.placement.epoch)
-        self._cursor = self.placement.num_layers
+        if self._in_flight is not None:  # a step that stopped between a micro-batch's two halves
+            self._receive(self._in_flight)
+        exchanges = self.placement.num_layers * self.micro_batches
+        self._step_exchange.exchange_empty(range(self._cursor, exchanges), self.placement.epoch, self._kind(self._cursor))
+        self._cursor = exchanges
         expert_s = self._step_exchange.read_trailers()
         if self._real:
             total = time.perf_counter() - self._step_started
             self.telemetry.end_step(total - self._moe_seconds, expert_s, self.placement.epoch,
                                     self.placement.phy2log)
 
+    def _kind(self, index: int) -> int:
+        """The header kind of exchange ``index``: a split step says so in its first."""
+        return KIND_SPLIT if index == 0 and self.micro_batches == 2 else KIND_STEP
+
+    def _check_order(self, index: int, moe_layer: int) -> None:
+        if self._step_exchange is None:
+            raise CommError("the router is not joined with its expert workers (no communicator)")
+        if index != self._cursor:
+            raise RuntimeError(f"MoE layer {moe_layer} out of order: this step is at exchange {self._cursor} "
+                               f"({self.micro_batches} micro-batch(es) a layer; one forward per step; "
+                               "begin_step() first)")
+
     def forward(
         self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        if self._step_exchange is None:
-            raise CommError("the router is not joined with its expert workers (no communicator)")
-        if moe_layer != self._cursor:
-            raise RuntimeError(f"MoE layer {moe_layer} out of order: this step is at layer {self._cursor} "
-                               "(one forward per step; begin_step() first)")
+        """The whole batch's routed output in one exchange; in a split step the other
+        micro-batch's exchange of this layer goes out empty right after."""
+        index = moe_layer * self.micro_batches
+        self._check_order(index, moe_layer)
+        handle = self._send(index, moe_layer, hidden, topk_ids, topk_weights)
+        out = self._receive(handle)
+        if self.micro_batches == 2:
+            started = time.perf_counter()
+            self._step_exchange.exchange_empty(range(index + 1, index + 2), self.placement.epoch)
+            self._cursor += 1
+            self._moe_seconds += time.perf_counter() - started
+        return out
+
+    def start(self, moe_layer: int, micro_batch: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor) -> "ExpertHandle":
+        """Send micro-batch ``micro_batch``'s rows of ``moe_layer`` and return without waiting for
+        their sums (:meth:`finish` takes them). The exchange sent before it is received first: a
+        worker then never blocks sending sums to a router that is sending it rows."""
+        if self.micro_batches != 2 or micro_batch not in (0, 1):
+            raise RuntimeError(f"start(micro_batch={micro_batch}) in a step of {self.micro_batches} micro-batch(es)")
+        index = 2 * moe_layer + micro_batch
+        self._check_order(index, moe_layer)
+        self.ping_pongs += index == 0
+        if self._in_flight is not None:
+            self._receive(self._in_flight)
+        handle = self._send(index, moe_layer, hidden, topk_ids, topk_weights, wait=False)
+        self._in_flight = handle
+        return handle
+
+    def finish(self, handle: "ExpertHandle") -> torch.Tensor:
+        """The routed output ``[T, D]`` of a :meth:`start`."""
+        if handle.out is None:
+            self._receive(handle)
+        return handle.out
+
+    def _send(self, index: int, moe_layer: int, hidden, topk_ids, topk_weights, wait: bool = True) -> "ExpertHandle":
         started = time.perf_counter()
         placement = self.placement
         log2phy, logcnt = self._tables[moe_layer]
@@ -97,12 +179,28 @@ class RemoteExperts:
         else:
             plan = plan_exchange(topk_ids, topk_weights, kept, log2phy, logcnt, placement.slots_per_worker,
                                  placement.num_workers)
-        out, traffic = self._step_exchange.exchange(moe_layer, plan, hidden, placement.epoch)
-        self._record(moe_layer, topk_ids, plan, kept, log2phy, traffic, hidden)
+        exchange = self._step_exchange
+        handle = ExpertHandle(moe_layer, plan, kept, topk_ids, hidden, log2phy)
+        if wait:
+            handle.out, handle.traffic = exchange.exchange(index, plan, hidden, placement.epoch, self._kind(index))
+        else:
+            handle.pending = exchange.send(index, plan, hidden, placement.epoch, self._kind(index))
         self._cursor += 1
         self._real = True
         self._moe_seconds += time.perf_counter() - started
-        return out
+        return handle
+
+    def _receive(self, handle: "ExpertHandle") -> torch.Tensor:
+        started = time.perf_counter()
+        if handle.pending is not None:
+            pending, handle.pending = handle.pending, None
+            if self._in_flight is handle:
+                self._in_flight = None
+            handle.out, handle.traffic = self._step_exchange.receive(pending)
+        self._record(handle.moe_layer, handle.topk_ids, handle.plan, handle.kept, handle.log2phy, handle.traffic,
+                     handle.hidden)
+        self._moe_seconds += time.perf_counter() - started
+        return handle.out
 
     def _plan_native(self, topk_ids, topk_weights, kept, log2phy, logcnt, hidden) -> ExchangePlan:
         """``plan_exchange_on_host``'s plan, bit for bit, with the rows packed for the wire, in one

@@ -27,8 +27,10 @@ from raymoe.kernels.comm.errors import CollectiveMismatch, CommError
 from raymoe.kernels.comm.layout import tag_checksum
 from raymoe.kernels.comm.wire import (
     KIND_IDLE,
+    KIND_STEP,
     TRAILER_BYTES,
     GroupLayout,
+    Part,
     RowFormat,
     header,
     header_width,
@@ -72,12 +74,40 @@ class RouterExchange(ABC):
         self._worker_ranks = list(self._rank_of_worker.values())
         self._headers_bytes = len(self._rank_of_worker) * 8 * header_width(slots_per_worker)
 
-    def exchange(self, layer: int, plan: ExchangePlan | None, hidden: torch.Tensor | None,
-                 epoch: int) -> tuple[torch.Tensor | None, LayerTraffic]:
+    def exchange(self, layer: int, plan: ExchangePlan | None, hidden: torch.Tensor | None, epoch: int,
+                 kind: int = KIND_STEP) -> tuple[torch.Tensor | None, LayerTraffic]:
         """Dispatch ``plan``'s rows of ``hidden`` and combine their sums: ``[T, D]`` routed output.
 
-        ``plan`` None: this router has nothing this step (zero rows to every worker).
+        ``plan`` None: this router has nothing this step (zero rows to every worker). ``kind``:
+        the header's (``KIND_SPLIT`` in a micro-batched step's first exchange).
         """
+        pending = self._prepare(layer, plan, hidden, epoch, kind)
+        self._transfer_layer(pending, Part.SEND | Part.RECEIVE)
+        pending.exchange_s = time.perf_counter() - pending.packed_at
+        return self._combine(pending)
+
+    def send(self, layer: int, plan: ExchangePlan | None, hidden: torch.Tensor | None, epoch: int,
+             kind: int = KIND_STEP) -> "PendingExchange":
+        """The first half of :meth:`exchange`: the headers and rows go out; :meth:`receive` (after
+        other work: the other micro-batch's attention) takes the sums back. Between the two, send
+        nothing more to these workers (the micro-batch schedule receives one exchange before it
+        sends the next: a worker then never blocks sending sums to a router that is sending it rows)."""
+        pending = self._prepare(layer, plan, hidden, epoch, kind)
+        self._transfer_layer(pending, Part.SEND)
+        pending.exchange_s = time.perf_counter() - pending.packed_at
+        return pending
+
+    def receive(self, pending: "PendingExchange") -> tuple[torch.Tensor | None, LayerTraffic]:
+        """The second half of :meth:`exchange` for ``pending`` (from :meth:`send`)."""
+        waited = time.perf_counter()
+        self._transfer_layer(pending, Part.RECEIVE)
+        pending.exchange_s += time.perf_counter() - waited  # the exchange's time: the send's and the receive's
+        return self._combine(pending)
+
+    def _prepare(self, layer: int, plan: ExchangePlan | None, hidden: torch.Tensor | None, epoch: int,
+                 kind: int) -> "PendingExchange":
+        """Everything one layer's messages need: headers' counts, the packed rows, one receive
+        buffer for every worker's sums (or assignments' outputs) and trailer, in worker order."""
         started = time.perf_counter()
         S = self.slots_per_worker
         if plan is not None:
@@ -94,7 +124,6 @@ class RouterExchange(ABC):
             if packed is None:
                 packed = self.format.pack(hidden.index_select(0, plan.row_token), plan.row_slots,
                                           plan.row_weights)  # [N, row_bytes]
-        # One receive buffer for every worker's sums (or assignments' outputs) and trailer, in worker order.
         back = self.rows_back(counts, slot_counts)
         row_bytes = self.combine_row_bytes
         total = sum(back[worker] for worker in self._rank_of_worker)
@@ -109,9 +138,11 @@ class RouterExchange(ABC):
             size = count * row_bytes + TRAILER_BYTES
             self._trailers.append((layer, rank, received[offset + size - TRAILER_BYTES:offset + size]))
             offset += size
-        packed_at = time.perf_counter()
-        self._transfer_layer(layer, epoch, counts, slot_counts, packed, received)
-        exchanged_at = time.perf_counter()
+        return PendingExchange(layer, epoch, kind, plan, hidden, counts, slot_counts, packed, received, sums, total,
+                               started, time.perf_counter())
+
+    def _combine(self, pending: "PendingExchange") -> tuple[torch.Tensor | None, LayerTraffic]:
+        plan, sums, total = pending.plan, pending.sums, pending.total
         out = None
         if plan is not None:
             if sums:
@@ -122,13 +153,14 @@ class RouterExchange(ABC):
                     out = combine_partials(plan.num_tokens, plan.row_token, partial,
                                            min(self.top_k, len(self._rank_of_worker)))
             else:
-                out = hidden.new_zeros(plan.num_tokens, self.hidden_size)
+                out = pending.hidden.new_zeros(plan.num_tokens, self.hidden_size)
+        counts = pending.counts
         traffic = LayerTraffic(
             rows_per_worker=list(counts),
             bytes_sent=self._headers_bytes + sum(counts[w] for w in self._rank_of_worker) * self.format.row_bytes,
-            bytes_received=received.numel(),
-            dispatch_s=packed_at - started,
-            exchange_s=exchanged_at - packed_at,
+            bytes_received=pending.received.numel(),
+            dispatch_s=pending.packed_at - pending.started,
+            exchange_s=pending.exchange_s,
         )
         return out, traffic
 
@@ -152,34 +184,37 @@ class RouterExchange(ABC):
         return combine_assignments(plan.num_tokens, k, flat, outputs, weights)
 
     @abstractmethod
-    def _transfer_layer(self, layer: int, epoch: int, counts: list[int], slot_counts: list[int],
-                        packed: torch.Tensor | None, received: torch.Tensor) -> None:
-        """One layer's messages: to each worker of the group (rank order) its header (``counts``,
-        ``slot_counts``: the plan's, over every worker of the placement) and its rows of
-        ``packed`` (worker-major), then from each its sums and trailer into ``received``."""
+    def _transfer_layer(self, pending: "PendingExchange", parts: Part) -> None:
+        """One layer's messages (``parts``: the send half, the receive half or both): to each
+        worker of the group (rank order) its header (``pending.counts``, ``pending.slot_counts``:
+        the plan's, over every worker of the placement; ``pending.kind``) and its rows of
+        ``pending.packed`` (worker-major), then from each its sums and trailer into
+        ``pending.received``."""
 
-    def exchange_empty(self, layers: range, epoch: int) -> None:
+    def exchange_empty(self, layers: range, epoch: int, first_kind: int = KIND_STEP) -> None:
         """Zero rows to every worker for each of ``layers``: a router with nothing this step, or
         the layers its step did not reach. Every layer's header goes out at once, then every
         trailer is read: the workers find this router's headers waiting instead of each layer
         waiting for its round trip of the layer before (with routers on other cores, a
         cross-core wake-up per layer on every worker's path), as :meth:`exchange` with no plan
         would, layer by layer. The workers see the same messages in the same order. The wait
-        has the deadline of that many layers (each layer's own, as before, one after the other)."""
+        has the deadline of that many layers (each layer's own, as before, one after the other).
+        ``first_kind``: the first header's kind (``KIND_SPLIT`` where a micro-batched step begins)."""
         if not layers:
             return
         ranks = self._worker_ranks
         first, last = layers[0], layers[-1]
         tag = layer_tag(first, "dispatch") if first == last else f"layers {first}-{last} dispatch (no rows)"
-        received = self._exchange_empty(layers, epoch, tag, self.comm.timeout_s * len(layers))
+        received = self._exchange_empty(layers, epoch, first_kind, tag, self.comm.timeout_s * len(layers))
         for index, layer in enumerate(layers):
             for position, rank in enumerate(ranks):
                 self._trailers.append((layer, rank, received[index * len(ranks) + position]))
 
     @abstractmethod
-    def _exchange_empty(self, layers: range, epoch: int, tag: str, timeout_s: float) -> torch.Tensor:
-        """Every layer's header without rows to each worker, then every trailer: returns them,
-        ``[layers * W, TRAILER_BYTES]`` uint8, layer-major."""
+    def _exchange_empty(self, layers: range, epoch: int, first_kind: int, tag: str, timeout_s: float) -> torch.Tensor:
+        """Every layer's header without rows to each worker (the first of ``first_kind``, the
+        others ``KIND_STEP``), then every trailer: returns them, ``[layers * W, TRAILER_BYTES]``
+        uint8, layer-major."""
 
     def read_trailers(self) -> float:
         """The step's expert seconds (sum over layers of the slowest worker), checking every
@@ -208,15 +243,17 @@ class RouterExchange(ABC):
         """Routers only: does any router have work this step? (one flag to and from each router)."""
         return self.agree_round(active, False, timeout_s)[0]
 
-    def agree_round(self, active: bool, tick: bool, timeout_s: float | None = None) -> tuple[bool, bool]:
-        """Routers only: does any router have work this step, and does any want an idle tick
-        sent first (a new migration mark to deliver)? One int to and from each router, as
-        ``agree_to_step``; every router gets the same two answers."""
+    def agree_round(self, active: bool, tick: bool, timeout_s: float | None = None,
+                    split: bool = False) -> tuple[bool, bool, bool]:
+        """Routers only: does any router have work this step, does any want an idle tick sent
+        first (a new migration mark to deliver), and does any want the step in two micro-batches
+        (``split``: then every router runs it so)? One int to and from each router, as
+        ``agree_to_step``; every router gets the same three answers."""
         if self.layout.num_routers == 1:
-            return active, tick
+            return active, tick, split
         tag = "step begin"
-        mine = to_device(torch.tensor([int(active) | int(tick) << 1, tag_checksum(tag)], dtype=torch.int64),
-                         self.device)
+        mine = to_device(torch.tensor([int(active) | int(tick) << 1 | int(split) << 2, tag_checksum(tag)],
+                                      dtype=torch.int64), self.device)
         others = [rank for rank in self.layout.router_ranks if rank != self.router_index]
         received = torch.empty(len(others), 2, dtype=torch.int64, device=self.device)
         self.comm.transfer([(rank, mine) for rank in others], [(rank, received[i]) for i, rank in enumerate(others)],
@@ -225,7 +262,30 @@ class RouterExchange(ABC):
         for rank, (_, checksum) in zip(others, flags):
             if checksum != tag_checksum(tag):
                 raise CollectiveMismatch(tag=tag, peer=rank, world_size=self.layout.world_size)
-        return active or any(flag & 1 for flag, _ in flags), tick or any(flag & 2 for flag, _ in flags)
+        return (active or any(flag & 1 for flag, _ in flags), tick or any(flag & 2 for flag, _ in flags),
+                split or any(flag & 4 for flag, _ in flags))
+
+
+@dataclass
+class PendingExchange:
+    """One layer's exchange between :meth:`RouterExchange.send` and :meth:`RouterExchange.receive`
+    (or inside :meth:`RouterExchange.exchange`): what its messages carry and where the sums land.
+    It holds ``packed`` until the sums are back, so a device transport never reads freed rows."""
+
+    layer: int
+    epoch: int
+    kind: int
+    plan: ExchangePlan | None
+    hidden: torch.Tensor | None
+    counts: list[int]
+    slot_counts: list[int]
+    packed: torch.Tensor | None
+    received: torch.Tensor
+    sums: list[torch.Tensor]
+    total: int
+    started: float
+    packed_at: float
+    exchange_s: float = 0.0  # in its transfers (send and receive), not the work between them
 
 
 @dataclass(frozen=True)

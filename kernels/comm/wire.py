@@ -133,6 +133,7 @@ HEADER_ROWS, HEADER_CHECKSUM, HEADER_EPOCH, HEADER_KIND = range(4)  # int64 fiel
 HEADER_FIELDS = 4
 KIND_STEP = 1  # a layer of a step
 KIND_IDLE = 2  # no step now (in the first layer's place only)
+KIND_SPLIT = 3  # a step in two micro-batches (in the first exchange's place only; KIND_STEP after it)
 HEADER_MARK = HEADER_EPOCH  # an idle tick's epoch field: the router's migration mark (0: none)
 TRAILER = struct.Struct("=dq")  # float64 expert seconds, int64 tag checksum (native order, as tensor views read it)
 TRAILER_BYTES = TRAILER.size
@@ -167,6 +168,13 @@ class LayerFlag(enum.IntFlag):
     HEADERS_GIVEN = 1  # the headers were read by an earlier call (HEADERS_ONLY)
     HEADERS_ONLY = 2  # read and check this layer's headers, nothing else
     FIRST_LAYER = 4  # an idle tick from every router is allowed here
+
+
+class Part(enum.IntFlag):
+    """raymoe_router_layer's ``parts``: which half of a layer's exchange the call runs."""
+
+    SEND = 1  # the headers and rows
+    RECEIVE = 2  # the sums and trailers
 
 
 class Info(enum.IntEnum):
@@ -247,10 +255,12 @@ C_CONSTANTS: dict[str, int] = {
     "HEADER_KIND": HEADER_KIND,
     "KIND_STEP": KIND_STEP,
     "KIND_IDLE": KIND_IDLE,
+    "KIND_SPLIT": KIND_SPLIT,
     "TRAILER_BYTES": TRAILER_BYTES,
     "SLOT_BYTES": SLOT_BYTES,
     "WEIGHT_BYTES": WEIGHT_BYTES,
     **{f"FLAG_{flag.name}": int(flag) for flag in LayerFlag},
+    **{f"PART_{part.name}": int(part) for part in Part},
     **{f"STATUS_{status.name}": int(status) for status in Status},
     **{f"INFO_{field.name}": int(field) for field in Info},
     "INFO_FIELDS": INFO_FIELDS,

@@ -202,7 +202,7 @@ int64_t raymoe_worker_layer(
             if (status) return status;
             recv_numbers[r]++;
         }
-        int idle = 0, step = 0;
+        int idle = 0, step = 0, split = 0;
         for (int64_t r = 0; r < R; r++) {
             const int64_t *header = headers + r * width;
             if (header[HEADER_CHECKSUM] != dispatch_checksum) {
@@ -212,10 +212,12 @@ int64_t raymoe_worker_layer(
             }
             idle += header[HEADER_KIND] == KIND_IDLE;
             step += header[HEADER_KIND] == KIND_STEP;
+            split += header[HEADER_KIND] == KIND_SPLIT;
         }
         info[INFO_PEER] = -1;
         if (idle == R && (flags & FLAG_FIRST_LAYER)) return STATUS_IDLE;
-        if (step != R) return STATUS_KINDS;
+        /* A step in two micro-batches says so in its first exchange only (every router alike). */
+        if (step != R && !(split == R && (flags & FLAG_FIRST_LAYER))) return STATUS_KINDS;
         if (flags & FLAG_HEADERS_ONLY) return STATUS_HEADERS_READ;
     }
     if (!w13 || !w2 || !maps || P <= 0 || I <= 0) return STATUS_ARGUMENTS;
@@ -291,34 +293,36 @@ int64_t raymoe_worker_layer(
 }
 
 /* A router's side of one MoE layer: to each worker of the group (fds[i], worker index
- * workers[i], in rank order) its header (rows, tag checksum, epoch, KIND_STEP, the
+ * workers[i], in rank order) its header (rows, tag checksum, epoch, `kind`, the
  * assignments of each of its S local slots) and its rows (packed: the plan's rows in worker
  * order, row_bytes each), then from each its rows' sums and trailer, into `received` (each
  * worker's rows * sum_bytes + TRAILER_BYTES, in rank order). send_counts [all workers] and
- * slot_counts [all workers][S] are the plan's. Returns STATUS_DONE, or STATUS_TIMEOUT, STATUS_LOST, STATUS_FRAME,
+ * slot_counts [all workers][S] are the plan's. `parts`: PART_SEND, PART_RECEIVE or both; a
+ * micro-batch schedule sends one exchange's part, works, then receives it (the same
+ * arguments both times). Returns STATUS_DONE, or STATUS_TIMEOUT, STATUS_LOST, STATUS_FRAME,
  * STATUS_ABORTED, STATUS_MEMORY, STATUS_ARGUMENTS with info as raymoe_worker_layer's (info[PEER]: the index
  * into fds, info[SENDING] 1 when it happened sending). */
 int64_t raymoe_router_layer(
     const int32_t *fds, const int64_t *workers, int64_t n, int32_t wake_fd, int64_t *recv_numbers,
     int64_t *send_numbers, const int64_t *send_counts, const int64_t *slot_counts, int64_t S, int64_t epoch,
-    int64_t dispatch_checksum, const uint8_t *packed, int64_t row_bytes, uint8_t *received, int64_t sum_bytes,
-    int64_t timeout_ns, int64_t *info) {
+    int64_t dispatch_checksum, int64_t kind, int64_t parts, const uint8_t *packed, int64_t row_bytes,
+    uint8_t *received, int64_t sum_bytes, int64_t timeout_ns, int64_t *info) {
     for (int i = 0; i < INFO_FIELDS; i++) info[i] = 0;
     info[INFO_PEER] = -1;
-    if (n <= 0 || S <= 0 || row_bytes <= 0 || sum_bytes <= 0) return STATUS_ARGUMENTS;
+    if (n <= 0 || S <= 0 || row_bytes <= 0 || sum_bytes <= 0 || parts < 1 || parts > 3) return STATUS_ARGUMENTS;
     const int64_t width = HEADER_FIELDS + S, deadline = now_ns() + timeout_ns;
     int64_t *header = malloc(sizeof(int64_t) * (size_t)width);
     if (!header) return STATUS_MEMORY;
     int64_t start = 0;
     int status = 0;
     info[INFO_SENDING] = 1;
-    for (int64_t i = 0; i < n && !status; i++) {
+    for (int64_t i = 0; i < n && !status && (parts & PART_SEND); i++) {
         const int64_t worker = workers[i], rows = send_counts[worker];
         if (rows < 0 || (rows && !packed)) { status = STATUS_ARGUMENTS; break; }
         header[HEADER_ROWS] = rows;
         header[HEADER_CHECKSUM] = dispatch_checksum;
         header[HEADER_EPOCH] = epoch;
-        header[HEADER_KIND] = KIND_STEP;
+        header[HEADER_KIND] = kind;
         memcpy(header + HEADER_FIELDS, slot_counts + worker * S, sizeof(int64_t) * (size_t)S);
         frame_t frames[2] = {{send_numbers[i], 8 * width}, {send_numbers[i] + 1, rows * row_bytes}};
         struct iovec parts[4] = {{frames[0], FRAME_BYTES}, {header, (size_t)(8 * width)}, {frames[1], FRAME_BYTES},
@@ -331,7 +335,7 @@ int64_t raymoe_router_layer(
     free(header);
     info[INFO_SENDING] = 0;
     int64_t offset = 0;
-    for (int64_t i = 0; i < n && !status; i++) {
+    for (int64_t i = 0; i < n && !status && (parts & PART_RECEIVE); i++) {
         const int64_t size = send_counts[workers[i]] * sum_bytes + TRAILER_BYTES;
         info[INFO_PEER] = i;
         info[INFO_C] = recv_numbers[i];
@@ -347,15 +351,15 @@ int64_t raymoe_router_layer(
 
 /* A router's side of `layers` MoE layers in which it sends no rows (nothing this step, or the
  * layers a step did not reach): to each worker of the group (fds[i], in rank order) every
- * layer's header (0 rows, dispatch_checksums[l], epoch, KIND_STEP, S zero slot counts) in one
+ * layer's header (0 rows, dispatch_checksums[l], epoch, KIND_STEP (the first: first_kind), S zero slot counts) in one
  * write, then from each worker every layer's trailer (TRAILER_BYTES, no sums), into `received`
  * ([layers][n][TRAILER_BYTES], layer-major). The messages are raymoe_router_layer's with no rows, in the
  * same order; only the waiting differs: a worker never waits for this router's round trip of
  * the layer before. Statuses and info as raymoe_router_layer's. */
 int64_t raymoe_router_empty_layers(
     const int32_t *fds, int64_t n, int32_t wake_fd, int64_t *recv_numbers, int64_t *send_numbers,
-    int64_t layers, const int64_t *dispatch_checksums, int64_t S, int64_t epoch, uint8_t *received,
-    int64_t timeout_ns, int64_t *info) {
+    int64_t layers, const int64_t *dispatch_checksums, int64_t S, int64_t epoch, int64_t first_kind,
+    uint8_t *received, int64_t timeout_ns, int64_t *info) {
     for (int i = 0; i < INFO_FIELDS; i++) info[i] = 0;
     info[INFO_PEER] = -1;
     if (n <= 0 || S <= 0 || layers <= 0) return STATUS_ARGUMENTS;
@@ -373,7 +377,7 @@ int64_t raymoe_router_empty_layers(
             header[HEADER_ROWS] = 0;
             header[HEADER_CHECKSUM] = dispatch_checksums[l];
             header[HEADER_EPOCH] = epoch;
-            header[HEADER_KIND] = KIND_STEP;
+            header[HEADER_KIND] = l ? KIND_STEP : first_kind;
         }
         struct iovec part = {messages, (size_t)(8 * layers * framed)};
         info[INFO_PEER] = i;
