@@ -154,6 +154,7 @@ class Router:
                                    num_experts=self.placement.num_experts)
         tokenizer = Tokenizer(model_dir) if os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
         self.experts = RemoteExperts(self.placement, config.top_k, engine_config.capacity, self.telemetry)
+        self.micro_batch_min_seqs = engine_config.micro_batch_min_seqs
         self.engine = LLMEngine.from_pretrained(
             model_dir, engine_config, experts=self.experts, detokenize=tokenizer.decode if tokenizer else None
         )
@@ -336,8 +337,15 @@ class Router:
         """Whether this router asks for the next step in two ping-ponged micro-batches: it holds at
         least ``engine.micro_batch_min_seqs`` running sequences (0: never). Any router asking
         splits the step for all (each runs its own batch in halves, or one half and an empty one)."""
-        least = self.engine.engine_config.micro_batch_min_seqs
+        least = self.micro_batch_min_seqs
         return least > 0 and len(self.engine.scheduler.running) >= least
+
+    def set_micro_batch_min_seqs(self, least: int) -> None:
+        """Change ``engine.micro_batch_min_seqs`` while serving (from the next step; 0: never):
+        benchmarks/bench_micro_batches.py compares on and off in one deployment."""
+        if least < 0:
+            raise ValueError(f"micro_batch_min_seqs must be >= 0, not {least}")
+        self.micro_batch_min_seqs = least
 
     def _group_step(self, has_work: bool, micro_batches: int = 1) -> list[RequestOutput]:
         """This router's share of one group step (engine lock held): one forward of the oldest

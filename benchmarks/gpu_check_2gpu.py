@@ -113,18 +113,50 @@ def run_end_to_end(log, smoke: bool = False) -> dict:
             started = time.perf_counter()
             again = [output.output_token_ids for output in deployment.generate(prompts, params)]
             timings["generate_again_s"] = time.perf_counter() - started
+            ping_pong = micro_batches_on_and_off(deployment, prompts, params, expected, log)
         finally:
             if deployment is not None:
                 deployment.shutdown()
             ray.shutdown()
-    equal = got == expected and again == expected
-    details = dict(expected=expected, tokens=got, tokens_again=again, router=router_info,
+    equal = got == expected and again == expected and ping_pong["tokens_equal"]
+    details = dict(expected=expected, tokens=got, tokens_again=again, ping_pong=ping_pong, router=router_info,
                    worker={key: worker_info.get(key) for key in ("pid", "node_id", "expert_kernel", "pool_bytes")},
                    **timings)
     summary = (f"tokens {'equal to' if equal else 'DIFFER from'} the CPU engine's ({len(prompts)} prompts x "
                f"{TOKENS_PER_PROMPT}); deploy {timings['deploy_s']:.1f} s, first generate "
-               f"{timings['generate_s']:.2f} s, again {timings['generate_again_s']:.2f} s")
+               f"{timings['generate_s']:.2f} s, again {timings['generate_again_s']:.2f} s; ping-pong micro-batches: "
+               f"tokens {'equal' if ping_pong['tokens_equal'] else 'DIFFER'}, on/off {ping_pong['on_over_off']:.2f}x "
+               f"tok/s over {ping_pong['requests']} requests")
     return single.result("PASS" if equal else "FAIL", summary, **details)
+
+
+def micro_batches_on_and_off(deployment, prompts, params, expected, log, rounds: int = 3) -> dict:
+    """The router's steps in two ping-ponged micro-batches (``engine.micro_batch_min_seqs``; one
+    half's attention on the router's stream while the worker runs the other half's experts and
+    NCCL moves the rows on its own stream) and not, alternating on the same deployment: the
+    tokens must equal the CPU engine's; the time ratio is reported (issue 29 item 2)."""
+    import ray
+
+    router = deployment.routers[0]
+    many = prompts * max(1, 16 // len(prompts))  # enough sequences to split each step
+    walls: dict[int, list[float]] = {0: [], 2: []}
+    tokens_on = None
+    for _ in range(rounds):
+        for least in (0, 2):
+            ray.get(router.set_micro_batch_min_seqs.remote(least), timeout=30)
+            started = time.perf_counter()
+            outputs = deployment.generate(many, params)
+            walls[least].append(time.perf_counter() - started)
+            if least:
+                tokens_on = [output.output_token_ids for output in outputs]
+    ray.get(router.set_micro_batch_min_seqs.remote(0), timeout=30)
+    info = ray.get(router.info.remote(), timeout=30)
+    off, on = (min(walls[least]) for least in (0, 2))
+    equal = tokens_on == expected * (len(many) // len(prompts))
+    log(f"ping-pong micro-batches over {len(many)} requests: off {off:.3f} s, on {on:.3f} s (best of {rounds}); "
+        f"tokens {'equal' if equal else 'DIFFER'}; {info['ping_pong_steps']} ping-pong steps")
+    return {"tokens_equal": equal, "requests": len(many), "off_s": walls[0], "on_s": walls[2], "on_over_off": off / on,
+            "ping_pong_steps": info["ping_pong_steps"]}
 
 
 def run_child(result_file: str, smoke: bool) -> int:

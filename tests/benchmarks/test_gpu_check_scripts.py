@@ -88,3 +88,6 @@ def test_the_two_gpu_path_runs_end_to_end_on_cpu_actors(tmp_path):
     assert finished.returncode == 0 and summary["status"] == "PASS", finished.stdout[-4000:]
     assert summary["details"]["tokens"] == summary["details"]["expected"]
     assert summary["details"]["router"]["warm_up"]["attention"]["backend"] == "sdpa"
+    # the ping-pong micro-batches ran (issue 29) and gave the CPU engine's tokens
+    ping_pong = summary["details"]["ping_pong"]
+    assert ping_pong["tokens_equal"] and ping_pong["ping_pong_steps"] > 0, ping_pong
