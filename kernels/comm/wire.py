@@ -23,6 +23,10 @@ built with, which the loader and tests/kernels/test_native_cpu.py compare with t
   2. combine, worker -> router: the rows' weighted sums (D activations each), then the
      :data:`TRAILER` (float64 expert seconds, int64 combine tag checksum).
 
+  A step in two micro-batches (engine/model.py::MoEModel.forward_micro_batches) has two
+  exchanges a layer, numbered ``2 * layer + half`` (the tags and checksums are the exchange's
+  number); its first header is of kind ``KIND_SPLIT``, every later one ``KIND_STEP``.
+
   A header of kind ``KIND_IDLE`` in the first layer's place says "no step" (an *idle
   tick*). Its epoch field (:data:`HEADER_MARK`) carries the router's migration mark (0:
   none): at the first tick that carries a mark, every worker runs the expert copy queued
