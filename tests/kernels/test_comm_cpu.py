@@ -51,6 +51,7 @@ class TcpSockets(SocketCommunicator):
 
 TRANSPORTS = {"gloo": GlooCommunicator, "sockets": SocketCommunicator, "sockets_tcp": TcpSockets}
 TIMEOUT_S = 2.0
+FORM_TIMEOUT_S = 30.0  # forming a group (its rendezvous) on a loaded machine; its collectives then take TIMEOUT_S
 DETECTION_BASE_S = 1.0  # on an idle machine a timeout is raised within TIMEOUT_S + this (tests/timing.py)
 
 COUNT_PATTERNS = {
@@ -99,7 +100,7 @@ def reference_output(case_id: str, destination: int, counts, dtype, row_shape) -
 
 def run_table(rank: int, world_size: int, port: int, transport: str) -> dict:
     """Rank program: the whole table, then barrier, close, and a call after close."""
-    comm = TRANSPORTS[transport].create(rank, world_size, HOST, port, TIMEOUT_S, group_name="table")
+    comm = formed(transport, rank, world_size, port, "table")
     outputs = {}
     for case_id, counts, dtype, row_shape in table(world_size):
         send_counts = torch.tensor(counts[rank], dtype=torch.int64)
@@ -158,10 +159,18 @@ def test_satisfies_protocol_and_closed_calls_raise(table_results, world_size):
             assert message is not None and "after close" in message
 
 
+def formed(transport: str, rank: int, world_size: int, port: int, group_name: str):
+    """A group formed under ``FORM_TIMEOUT_S`` (under load, connecting alone can take seconds),
+    whose collectives then have the tests' deadline, ``TIMEOUT_S``."""
+    comm = TRANSPORTS[transport].create(rank, world_size, HOST, port, FORM_TIMEOUT_S, group_name=group_name)
+    comm.timeout_s = TIMEOUT_S
+    return comm
+
+
 def stalled_peer(rank: int, world_size: int, port: int, rebuild_port: int, mode: str, transport: str) -> dict:
     """Rank program: rank 2 stalls (stops itself, or skips the collective); the others must
     time out naming rank 2, abort, and rebuild a two-rank group that works."""
-    comm = TRANSPORTS[transport].create(rank, world_size, HOST, port, TIMEOUT_S, group_name="stalled")
+    comm = formed(transport, rank, world_size, port, "stalled")
     comm.barrier(tag="warm up")
     if rank == 2:
         if mode == "stop":
@@ -183,7 +192,7 @@ def stalled_peer(rank: int, world_size: int, port: int, rebuild_port: int, mode:
         after_abort = None
     except CommClosedError as error:
         after_abort = str(error)
-    rebuilt = TRANSPORTS[transport].create(rank, 2, HOST, rebuild_port, TIMEOUT_S, group_name="rebuilt")
+    rebuilt = formed(transport, rank, 2, rebuild_port, "rebuilt")
     recv_counts = rebuilt.exchange_counts(torch.tensor([1, 2], dtype=torch.int64), tag="rebuilt counts")
     received = rebuilt.exchange_payload(send, [1, 2], recv_counts.tolist(), tag="rebuilt payload")
     rebuilt.close()
@@ -218,7 +227,7 @@ def test_stalled_peer_times_out_naming_it_then_rebuild_works(mode, transport):
 
 def mismatched_tags(rank: int, world_size: int, port: int, transport: str) -> str | None:
     """Rank program: the ranks' programs diverged: they enter different collectives."""
-    comm = TRANSPORTS[transport].create(rank, world_size, HOST, port, TIMEOUT_S, group_name="mismatch")
+    comm = formed(transport, rank, world_size, port, "mismatch")
     tag = "layer 3 dispatch" if rank == 0 else "layer 3 combine"
     try:
         comm.exchange_counts(torch.ones(world_size, dtype=torch.int64), tag=tag)
