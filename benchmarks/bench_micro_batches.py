@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--plot", help="write a bar plot of on/off per configuration and concurrency here")
+    parser.add_argument("--no-pin", action="store_true", help="cpu.pin_threads: false (the OS places the threads)")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
@@ -72,7 +73,8 @@ def main() -> None:
             config = parse_cluster_config({"model": path, "device": "cpu", "dtype": dtype, "routers": routers,
                                            "expert_workers": workers, "placement": {"strategy": "round_robin"},
                                            "engine": {"max_num_seqs": max(levels), "max_model_len": 512,
-                                                      "kv_cache_bytes": 256 * 2**20}})
+                                                      "kv_cache_bytes": 256 * 2**20},
+                                           "cpu": {"pin_threads": not args.no_pin}})
             deployment = deploy(config, name=f"micro-{label}")
             try:
                 prompts = [p for p, _ in workload(max(levels), prompt_range=(16, 32))]
