@@ -53,6 +53,7 @@ from raymoe.engine.checkpoint import Checkpoint
 from raymoe.engine.engine import resolve_dtype
 from raymoe.actors.cpu_affinity import pin_current_thread
 from raymoe.actors.devices import actor_cuda_device
+from raymoe.actors.progress_slot import ProgressSlot
 from raymoe.engine.exchange.ep_exchange import GroupLayout, WorkerExchange, worker_exchange
 from raymoe.engine.exchange.worker_warm_up import warm_up_experts
 from raymoe.engine.host_memory import allocator_in_use, keep_freed_memory
@@ -202,6 +203,9 @@ class ExpertWorker:
         self.generation = -1
         self.last_error: str | None = None
         self.steps_served = 0
+        # Every layer served and every idle tick counts here, where the controller's rank watch
+        # reads it without this process's GIL (actors/progress_slot.py).
+        self.progress = ProgressSlot()
         self.step_stats: deque = deque(maxlen=1000)  # per step: rows, assignments, compute seconds
         self.migration_joins = 0  # how many migration groups this process joined
         self.discarded: set[int] = set()  # epochs of failed migrations: never staged or served here again
@@ -397,6 +401,7 @@ class ExpertWorker:
                 while self.exchange is exchange:
                     position[0] += 1  # (odd: inside an EP collective, until the step's last layer)
                     headers = exchange.receive_headers(0)
+                    self.progress.tick()
                     if headers is None:
                         position[0] += 1
                         marks = exchange.tick_marks
@@ -413,6 +418,7 @@ class ExpertWorker:
                         rows += result.rows
                         assignments += result.assignments
                         compute_s += result.compute_s
+                        self.progress.tick()
                     position[0] += 1
                     self.steps_served += 1
                     self.step_stats.append((rows, assignments, compute_s))

@@ -31,6 +31,7 @@ import torch
 from raymoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from raymoe.actors.cpu_affinity import pin_current_thread
 from raymoe.actors.devices import actor_cuda_device
+from raymoe.actors.progress_slot import ProgressSlot
 from raymoe.engine.exchange.ep_exchange import GroupLayout, RouterExchange, router_exchange
 from raymoe.engine.host_memory import allocator_in_use
 from raymoe.engine.prompt_logprobs import PromptLogprobs
@@ -178,6 +179,10 @@ class Router:
         self.recoveries = 0
         self.last_failure: dict[str, Any] | None = None
         self.idle_rounds = 0
+        # Every turn of the step loop counts here, where the controller's rank watch reads it
+        # without this process's GIL (actors/progress_slot.py): a router whose calls go
+        # unanswered while it steps (an overloaded machine) is busy, not wedged.
+        self.progress = ProgressSlot()
         self.generated_tokens = 0  # tokens this router sampled since start (aborted requests' too)
         # The controller's migration mark (mark_migration) and the last one this router's idle
         # ticks carried: a new one is sent in an idle tick the routers agree on (_step_loop).
@@ -278,6 +283,7 @@ class Router:
         """
         self.pinned_core = pin_current_thread(self.pin_core)
         while True:
+            self.progress.tick()
             with self._wake:
                 if self._stopped:
                     return
@@ -606,6 +612,7 @@ class Router:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.progress.close()
         exchange, self.experts.exchange = self.experts.exchange, None
         if exchange is not None:
             exchange.comm.close()
