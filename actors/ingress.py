@@ -208,8 +208,8 @@ class OpenAIIngress:
         rows = []
         for name, answer in zip(actors, answers):
             row = dict(watched.get(name) or {"rank": name, "state": "alive", "reason": ""})
-            if row["state"] in ("wedged", "dead"):
-                pass  # the watch knows more (and has started recovery)
+            if row["state"] in ("wedged", "dead", "busy"):
+                pass  # the watch knows more (and has started recovery, or says why it did not kill it)
             elif isinstance(answer, asyncio.TimeoutError):  # a frozen actor's TimeoutError has no text of its own
                 row.update(state="unresponsive", reason=f"no answer within {HEALTH_TIMEOUT_S:g} s")
             elif isinstance(answer, BaseException):
