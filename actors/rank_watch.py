@@ -163,6 +163,7 @@ class RankWatch:
         self.wedged: list[dict[str, Any]] = []
         self.spared: list[dict[str, Any]] = []  # busy ranks not killed: each time one was found busy
         self._node_id: str | None = None
+        self._remote_sample: Any = None  # sample_progress as a Ray task (ranks on other nodes)
         self.last_error: str | None = None  # the last round's failure, if any
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="raymoe-rank-watch", daemon=True)
@@ -346,8 +347,10 @@ class RankWatch:
         if record.sample_ref is None and silent >= REMOTE_SAMPLE_AFTER * limit:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+            if self._remote_sample is None:  # defined once (each definition is exported anew)
+                self._remote_sample = ray.remote(num_cpus=0, max_retries=0)(sample_progress)
             try:
-                record.sample_ref = ray.remote(num_cpus=0, max_retries=0)(sample_progress).options(
+                record.sample_ref = self._remote_sample.options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pid)
             except Exception:  # the node is gone: the rank's verdict goes without a reading
                 record.sample_ref = None
