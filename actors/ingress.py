@@ -176,7 +176,7 @@ class OpenAIIngress:
     @app.get("/health")
     async def health(self) -> Response:
         """Every router and worker with its state: from the controller's rank watch
-        (actors/rank_watch.py: serving, alive, stalled, wedged, dead; its last progress), and
+        (actors/rank_watch.py: serving, alive, stalled, busy, wedged, dead; its last progress), and
         from asking each actor here, so that one silent now is ``unresponsive`` before the
         watch's limit has passed. 503 when any rank is not serving or alive."""
         ranks, wedged = await self._rank_states()
