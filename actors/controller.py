@@ -70,7 +70,7 @@ COUNTERS = ("rebalance_decisions_taken", "rebalance_decisions_skipped", "rebalan
             "recoveries_on_replicas", "reinclude_attempts", "reinclude_failures", "reincludes",
             "reinclude_rollbacks", "repeated_step_failures", "rebalance_failures", "migration_group_rebuilds",
             "reload_timeouts", "resizes", "resizes_refused", "resize_rollbacks", "routers_left_out",
-            "router_reincludes", "router_reinclude_failures")
+            "router_reincludes", "router_reinclude_failures", "live_switch_failures")
 
 
 class InjectedFault(RuntimeError):

@@ -27,6 +27,9 @@ all-to-all-v comes between the same two EP collectives (NCCL's rule for two comm
 one GPU: every rank issues them in the same order). A worker outside
 the EP group (a grow's new worker, before it joins) has nothing to order against and copies at
 once. ``collectives()`` returns the order this worker saw (a bounded log), so tests compare it.
+The same marks switch a serving worker to a new EP group formed beside the one it serves (a
+re-include's make-before-break, :meth:`ExpertWorker.prepare_switch`): its loop serves the new
+group from the step after the tick that carries the switch's mark, when the routers switch too.
 
 A migration that fails is undone with :meth:`ExpertWorker.discard_staged`: its epoch's staged
 rows (and the epoch itself, if this worker already activated it) are dropped and the epoch
@@ -53,6 +56,7 @@ from raymoe.engine.checkpoint import Checkpoint
 from raymoe.engine.engine import resolve_dtype
 from raymoe.actors.cpu_affinity import pin_current_thread
 from raymoe.actors.devices import actor_cuda_device
+from raymoe.actors.progress_slot import ProgressSlot
 from raymoe.engine.exchange.ep_exchange import GroupLayout, WorkerExchange, worker_exchange
 from raymoe.engine.exchange.worker_warm_up import warm_up_experts
 from raymoe.engine.host_memory import allocator_in_use, keep_freed_memory
@@ -96,6 +100,7 @@ class QueuedCopy:
     started: bool = False
     result: int | None = None
     error: BaseException | None = None
+    switch: Any = None  # instead of a copy: (exchange, generation) of a group to serve from this mark on
 
 
 class InjectedWorkerFault(RuntimeError):
@@ -203,6 +208,9 @@ class ExpertWorker:
         self.generation = -1
         self.last_error: str | None = None
         self.steps_served = 0
+        # Every layer served and every idle tick counts here, where the controller's rank watch
+        # reads it without this process's GIL (actors/progress_slot.py).
+        self.progress = ProgressSlot()
         self.step_stats: deque = deque(maxlen=1000)  # per step: rows, assignments, compute seconds
         self.migration_joins = 0  # how many migration groups this process joined
         self.discarded: set[int] = set()  # epochs of failed migrations: never staged or served here again
@@ -219,6 +227,9 @@ class ExpertWorker:
         self.collective_log: deque = deque(maxlen=COLLECTIVE_LOG_ENTRIES)
         self._log_lock = threading.Lock()
         self._load_lock = threading.Lock()  # one load_placement at a time
+        # A group joined beside none (this worker served no group): (exchange, generation), served
+        # once the controller says so (serve_pending); prepare_switch.
+        self._pending: tuple[WorkerExchange, int] | None = None
         self.w13: list[torch.Tensor] = []  # per MoE layer: [S + spare, 2I, D]
         self.w2: list[torch.Tensor] = []  # per MoE layer: [S + spare, D, I]
         self.slot_rows: dict[int, list[list[int]]] = {}
@@ -369,6 +380,13 @@ class ExpertWorker:
              timeout_s: float, generation: int = 0) -> None:
         """Join the deployment's group as ``rank`` (blocks until every rank joined), then serve
         it from a persistent loop until the group breaks or is replaced."""
+        exchange = self._connect(backend, rendezvous, rank, num_routers, participants, timeout_s)
+        self._drop_pending()  # a group built instead of one prepared beside the old
+        self._serve(exchange, generation)
+
+    def _connect(self, backend: str, rendezvous: Any, rank: int, num_routers: int, participants: list[int],
+                 timeout_s: float) -> WorkerExchange:
+        """Join the group as ``rank`` (blocks until every rank joined): this worker's side of it."""
         if not self.slot_rows:
             raise RuntimeError(f"worker {self.worker}: no placement loaded (a load_placement failed midway); "
                                "load one before joining")
@@ -378,15 +396,82 @@ class ExpertWorker:
             device=self.device if self.device.type == "cuda" else None,
             bind_host=ray.util.get_node_ip_address(),
         )
-        exchange = worker_exchange(comm, layout, self.slots, self.config.hidden_size, self.config.top_k, self.dtype,
-                                   self.device, self.executor if self.device.type == "cpu" else None,
-                                   intermediate_size=self.config.moe_intermediate_size)
+        return worker_exchange(comm, layout, self.slots, self.config.hidden_size, self.config.top_k, self.dtype,
+                               self.device, self.executor if self.device.type == "cpu" else None,
+                               intermediate_size=self.config.moe_intermediate_size)
+
+    def _serve(self, exchange: WorkerExchange, generation: int) -> None:
+        """Serve ``exchange`` from a persistent loop of its own (the one before leaves its loop)."""
         with self._log_lock:
             self.exchange, self.generation, self.last_error, self._ep_counter = exchange, generation, None, [0]
             self.collective_log.append(("join", generation, 0))
         threading.Thread(target=self._serve_loop, args=(exchange, self._ep_counter),
                          name=f"worker-{self.worker}-g{generation}",
                          daemon=True).start()
+
+    # ---- make-before-break: a new group formed beside the one in service (actors/recovery.py) ----
+    def prepare_switch(self, backend: str, rendezvous: Any, rank: int, num_routers: int, participants: list[int],
+                       timeout_s: float, generation: int, mark: int) -> str:
+        """Join a new group (``join``'s arguments) beside the one this worker serves, which it
+        goes on serving: its serving loop switches to the new group right after the first
+        idle tick that carries ``mark`` (the routers switch after that same tick: every router
+        prepared before any got the mark), as a copy queued under a mark runs there
+        (``queue_migration``). A worker serving no group (the one re-included) serves the new
+        group once told (``serve_pending``). Returns ``"at mark"`` or ``"when told"``. CPU
+        transports only (on NCCL the controller stops every rank instead)."""
+        if CommBackend(backend).resolve() is CommBackend.NCCL:
+            raise RuntimeError("a new NCCL group is never formed beside a live one; the controller stops every rank")
+        exchange = self._connect(backend, rendezvous, rank, num_routers, participants, timeout_s)
+        with self._copies_lock:
+            serving = self.exchange
+            if serving is not None:
+                if mark <= self._last_mark:
+                    exchange.comm.abort()
+                    raise RuntimeError(f"worker {self.worker}: switch mark {mark} is not above the last mark queued "
+                                       f"here ({self._last_mark}); a mark is never reused")
+                self._last_mark = mark
+                self._copies[mark] = QueuedCopy(mark, (), serving, switch=(exchange, generation))
+        if serving is not None:
+            return "at mark"
+        self._drop_pending()
+        self._pending = (exchange, generation)
+        return "when told"
+
+    def serve_pending(self, generation: int) -> None:
+        """Serve the group of ``generation`` prepared beside none (``prepare_switch``)."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending[1] != generation:
+            if pending is not None:
+                pending[0].comm.abort()
+            raise RuntimeError(f"worker {self.worker}: no group of generation {generation} prepared")
+        self._serve(*pending)
+
+    def wait_switched(self, generation: int, timeout_s: float) -> bool:
+        """Whether this worker serves the group of ``generation`` (within ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while self.generation != generation or self.exchange is None:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
+    def _switch_now(self, copy: QueuedCopy, old: WorkerExchange) -> None:
+        """(Serving loop of ``old``, right after the tick that carries the switch mark.) Serve
+        the prepared group from now on; the old loop ends and its communicator is closed."""
+        exchange, generation = copy.switch
+        if self.exchange is not old:  # the old group ended meanwhile (reset): nothing to switch from
+            exchange.comm.abort()
+            copy.error = RuntimeError(f"worker {self.worker}: the group to switch from ended first")
+        else:
+            self._serve(exchange, generation)
+            copy.result = 0
+            old.comm.close()
+        copy.done.set()
+
+    def _drop_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[0].comm.abort()
 
     def _serve_loop(self, exchange: WorkerExchange, position: list[int]) -> None:
         """Serve group steps until this exchange is replaced or fails. Each step: every MoE
@@ -398,6 +483,7 @@ class ExpertWorker:
                 while self.exchange is exchange:
                     position[0] += 1  # (odd: inside an EP collective, until the step's last layer)
                     headers = exchange.receive_headers(0)
+                    self.progress.tick()
                     if headers is None:
                         position[0] += 1
                         marks = exchange.tick_marks
@@ -417,6 +503,7 @@ class ExpertWorker:
                         rows += result.rows
                         assignments += result.assignments
                         compute_s += result.compute_s
+                        self.progress.tick()
                     position[0] += 1
                     self.steps_served += 1
                     self.step_stats.append((rows, assignments, compute_s))
@@ -511,6 +598,9 @@ class ExpertWorker:
             if copy is None or copy.started or copy.exchange is not exchange:
                 return
             copy.started = True
+        if copy.switch is not None:  # not a copy: the step boundary at which to serve a new group
+            self._switch_now(copy, exchange)
+            return
         with torch.inference_mode(False):  # staging writes the pool (normal tensors), as outside the loop
             self._run_copy(copy, position)
 
@@ -539,6 +629,8 @@ class ExpertWorker:
                     continue
                 copy.started = True
                 copy.error = RuntimeError(f"worker {self.worker}: the copy under mark {mark} never ran: {why}")
+                if copy.switch is not None:  # a group prepared beside this one: never served
+                    copy.switch[0].comm.abort()
                 copy.done.set()  # (kept for its wait_migration, which says why)
 
     def _log(self, kind: str, *details: Any) -> None:
@@ -759,6 +851,7 @@ class ExpertWorker:
     def reset_comms(self) -> None:
         """Abort every communicator (a peer failed); the supervisor builds new groups next."""
         self._cancel_copies("the groups were reset")
+        self._drop_pending()
         exchange, self.exchange = self.exchange, None
         for comm in [*([exchange.comm] if exchange else []), *([self.migration_comm] if self.migration_comm else [])]:
             comm.abort()

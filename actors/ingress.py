@@ -176,7 +176,7 @@ class OpenAIIngress:
     @app.get("/health")
     async def health(self) -> Response:
         """Every router and worker with its state: from the controller's rank watch
-        (actors/rank_watch.py: serving, alive, stalled, wedged, dead; its last progress), and
+        (actors/rank_watch.py: serving, alive, stalled, busy, wedged, dead; its last progress), and
         from asking each actor here, so that one silent now is ``unresponsive`` before the
         watch's limit has passed. 503 when any rank is not serving or alive."""
         ranks, wedged = await self._rank_states()
@@ -208,8 +208,8 @@ class OpenAIIngress:
         rows = []
         for name, answer in zip(actors, answers):
             row = dict(watched.get(name) or {"rank": name, "state": "alive", "reason": ""})
-            if row["state"] in ("wedged", "dead"):
-                pass  # the watch knows more (and has started recovery)
+            if row["state"] in ("wedged", "dead", "busy"):
+                pass  # the watch knows more (and has started recovery, or says why it did not kill it)
             elif isinstance(answer, asyncio.TimeoutError):  # a frozen actor's TimeoutError has no text of its own
                 row.update(state="unresponsive", reason=f"no answer within {HEALTH_TIMEOUT_S:g} s")
             elif isinstance(answer, BaseException):

@@ -1,6 +1,7 @@
 """Wedged ranks: a router or expert worker that Ray still calls alive but that makes no progress
 (SIGSTOPped, stuck with the GIL held, its process hung) is found within the exchange deadline
-and handed to recovery as a dead one.
+and handed to recovery as a dead one; one whose calls go unanswered while it steps (an
+overloaded machine) is ``busy``, reported and not killed.
 
 The controller (actors/recovery.py's :class:`Recovery` mixes :class:`RankWatching` in, so
 ``rank_states`` is one of the controller actor's calls) runs one thread that probes every rank
@@ -18,20 +19,41 @@ are compared across machines). Per rank, one of:
 - ``stalled``: it answers, the routers hold requests, and its counter has not moved for longer
   than the deadline (reported, never acted on: in a lockstep group every rank stalls when one
   fails, and the exchange's own deadline and recovery handle a peer that stops answering there);
-- ``wedged``: Ray's actor table says ALIVE (this incarnation for longer than the deadline) and a
-  probe has had no answer for ``comm.wedge_after_s`` (default 0.8 x ``comm.timeout_s``, at most
-  10 s: cluster/config.py). The rank is killed at once
-  (``ray.kill``, Ray restarts it: ``max_restarts=-1``), so it cannot come back half-way, and
-  recovery starts at once (the other ranks need not wait out their exchange deadline), treating
-  it as a dead one: a router's requests move to a live router
+- ``busy``: Ray's actor table says ALIVE and a probe has had no answer for ``comm.wedge_after_s``
+  (below), but the rank's progress slot advanced within that limit: its step thread steps, only
+  its calls are starved (a load spike on its machine: the probe needs its call thread and its
+  GIL). Reported with the reason, and not killed: under overload a kill turns a spike into a
+  restart storm. It is killed all the same (as ``wedged``) once its probe has gone unanswered
+  for ``BUSY_BOUND_FACTOR`` (5) times the limit (50 s at the defaults): a rank whose calls stay
+  unanswered that long cannot take requests, aborts or recovery's calls;
+- ``wedged``: Ray's actor table says ALIVE (this incarnation for longer than the limit), a probe
+  has had no answer for ``comm.wedge_after_s`` (default 0.8 x ``comm.timeout_s``, at most 10 s:
+  cluster/config.py), and the rank is not busy: its process is stopped (``T``/``t`` in
+  ``/proc/<pid>/stat``), its progress counter has not advanced within the limit (hung, in a call
+  or a collective; spinning with the GIL held), or no counter could be read. The rank is killed
+  at once (``ray.kill``, Ray restarts it: ``max_restarts=-1``), so it cannot come back half-way,
+  and recovery starts at once (the other ranks need not wait out their exchange deadline),
+  treating it as a dead one: a router's requests move to a live router
   (actors/router_relay.py), a worker's experts are served from replicas or reloaded;
 - ``dead``: Ray reports it dead or restarting, or a probe failed with an actor error.
 
-``rank_states()`` returns every rank's row (state, reason, last progress time, seconds since it)
-and the wedged ranks found so far (``wedged``: rank, pid, reason, seconds its probe went
-unanswered, the time of the kill). ``raymoe status`` shows them; so does the ingress' ``/health``
-(actors/ingress.py), which also asks each actor itself and calls one that is silent for 5 s
-``unresponsive`` before the watch's limit has passed. Only ``serving`` and ``alive`` are healthy.
+The progress slot (actors/progress_slot.py) is a counter each rank's step or serving thread
+bumps in ``/dev/shm`` every turn (a router: every turn of its step loop, idle rounds too; a
+worker: every layer served and every idle tick). For a rank on the watch's own node it is read,
+with the process state, every round; for a rank on another node, by a task pinned to that node
+(``NodeAffinitySchedulingStrategy``), one in flight, only while the rank's probe has gone
+unanswered for a third of the limit. There a reading that has not come back by the limit (the
+node too loaded even for that task) leaves the rank without evidence, and it is judged as
+before the slot: wedged. A rank without a slot (no ``/dev/shm``) is judged the same way.
+
+``rank_states()`` returns every rank's row (state, reason, last progress time, seconds since it,
+its process state, its slot's counter and the seconds since it advanced), the wedged ranks found
+so far (``wedged``: rank, pid, reason with the evidence, seconds its probe went unanswered, the
+time of the kill) and the busy ones spared (``spared``: rank, pid, reason, when first found busy
+in each episode). ``raymoe status`` shows each rank's state and reason; so does the ingress'
+``/health`` (actors/ingress.py), which also asks each actor itself and calls one that is silent
+for 5 s ``unresponsive`` before the watch's limit has passed (a rank the watch finds busy keeps
+the watch's row, with its reason). Only ``serving`` and ``alive`` are healthy.
 """
 
 from __future__ import annotations
@@ -44,6 +66,8 @@ from typing import Any
 
 import ray
 
+from raymoe.actors.progress_slot import remove_slot, sample_progress
+
 PROBE_INTERVAL_S = 0.25  # how often every rank is probed (one probe per rank in flight)
 PROGRESS_EVERY = 4  # a worker's probe is its `info` (steps served) every this many probes
 NO_STEP = 2**62  # expert_loads_since(NO_STEP): no loads, only the router's step count
@@ -51,7 +75,10 @@ WEDGE_FRACTION = 0.8  # without comm.wedge_after_s from deploy: this much of com
 DEFAULT_DEADLINE_S = 30.0  # comm.timeout_s when the controller was given no groups
 GCS_TIMEOUT_S = 2.0
 WEDGED_KEPT = 32  # wedged ranks remembered for rank_states()
-STATES = ("serving", "alive", "stalled", "wedged", "dead")
+BUSY_BOUND_FACTOR = 5  # a busy rank (calls unanswered, counter advancing) is killed after this many limits
+REMOTE_SAMPLE_AFTER = 1 / 3  # a rank on another node: its counter is read (a pinned task) from this much of the limit
+STOPPED = frozenset({"T", "t"})  # /proc/<pid>/stat: stopped by a signal, or by a tracer
+STATES = ("serving", "alive", "stalled", "busy", "wedged", "dead")
 HEALTHY = frozenset({"serving", "alive"})  # any other state makes /health answer 503
 
 
@@ -77,6 +104,15 @@ class RankRecord:
         self.alive_since = time.monotonic()
         self.killed_incarnation: int | None = None
         self.state, self.reason = "alive", ""
+        # Its progress slot (actors/progress_slot.py), read without its GIL or its Ray calls: on
+        # this node every round, on another one by a pinned task while its probe is unanswered.
+        self.slot_pid: int | None = None  # the process the readings below are of
+        self.slot_counter: int | None = None
+        self.slot_progress_at: float | None = None  # monotonic: when the watch saw the counter advance
+        self.slot_read_at: float | None = None  # monotonic: the last reading
+        self.proc_state: str | None = None  # /proc/<pid>/stat's state letter at the last reading
+        self.sample_ref: Any = None  # a pinned reading in flight (a rank on another node)
+        self.busy_since: float | None = None  # monotonic: when it was first found busy (this silence)
 
 
 def actor_table_entry(actor_id: str) -> dict[str, Any]:
@@ -125,6 +161,9 @@ class RankWatch:
         self.host, self.interval_s = host, interval_s
         self.records: dict[str, RankRecord] = {}
         self.wedged: list[dict[str, Any]] = []
+        self.spared: list[dict[str, Any]] = []  # busy ranks not killed: each time one was found busy
+        self._node_id: str | None = None
+        self._remote_sample: Any = None  # sample_progress as a Ray task (ranks on other nodes)
         self.last_error: str | None = None  # the last round's failure, if any
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="raymoe-rank-watch", daemon=True)
@@ -139,6 +178,15 @@ class RankWatch:
         """comm.wedge_after_s as deploy resolved it (cluster/config.py), else the fraction."""
         groups = getattr(self.host, "groups", None) or {}
         return float(groups.get("wedge_after_s") or WEDGE_FRACTION * self.deadline_s())
+
+    def busy_bound_s(self) -> float:
+        """How long a busy rank's calls may go unanswered before it is killed all the same."""
+        return BUSY_BOUND_FACTOR * self.wedge_after_s()
+
+    def node_id(self) -> str:
+        if self._node_id is None:
+            self._node_id = ray.get_runtime_context().get_node_id()
+        return self._node_id
 
     def _stopped(self) -> bool:
         stopped = getattr(self.host, "_stopped", None)
@@ -239,13 +287,25 @@ class RankWatch:
             return
         silent = now - record.asked_at if record.pending is not None else 0.0
         limit = self.wedge_after_s()
+        self._read_progress(record, now, silent, limit)
         if record.pending is not None and silent > limit and now - record.alive_since > limit:
+            verdict, why = self._verdict(record, now, silent, limit)
+            if verdict == "busy":
+                record.state, record.reason = "busy", why
+                if record.busy_since is None:  # a new episode: remembered for rank_states()
+                    record.busy_since = now
+                    with self._lock:
+                        self.spared.append({"rank": record.name, "pid": record.pid or self._pid(record),
+                                            "reason": why, "silent_s": round(silent, 3), "time": time.time()})
+                        del self.spared[:-WEDGED_KEPT]
+                return
             record.state = "wedged"
             record.reason = (f"alive (Ray) but no answer to a progress probe for {silent:.1f} s "
-                             f"(limit {limit:.1f} s, comm.wedge_after_s)")
+                             f"(limit {limit:.1f} s, comm.wedge_after_s), and {why}")
             if record.killed_incarnation != incarnation:
                 self._kill(record, silent)
             return
+        record.busy_since = None
         if record.answered_at is None:
             return  # not heard from yet (its first probe is in flight): keep the last state
         since = now - (record.progress_at or record.first_answer_at or now)
@@ -256,6 +316,80 @@ class RankWatch:
             record.state, record.reason = "serving", ""
         else:
             record.state, record.reason = "alive", ""
+
+    @staticmethod
+    def _pid(record: RankRecord) -> int | None:
+        return None if record.process is None else record.process[1]
+
+    def _read_progress(self, record: RankRecord, now: float, silent: float, limit: float) -> None:
+        """Read the rank's progress slot and process state (actors/progress_slot.py): every round
+        for a rank on this node; for one on another node, a task pinned there, only while its
+        probe has gone unanswered for REMOTE_SAMPLE_AFTER of the limit (one in flight)."""
+        if record.process is None:
+            return
+        node, pid = record.process
+        if pid != record.slot_pid:  # a new process (incarnation): no readings of it yet
+            record.slot_pid, record.sample_ref, record.slot_counter = pid, None, None
+            record.slot_progress_at, record.slot_read_at, record.proc_state = None, None, None
+        if node == self.node_id():
+            self._apply_sample(record, now, sample_progress(pid))
+            return
+        if record.sample_ref is not None and ray.wait([record.sample_ref], timeout=0)[0]:
+            ref, record.sample_ref = record.sample_ref, None
+            try:
+                self._apply_sample(record, now, ray.get(ref, timeout=0))
+            except Exception:  # the node or the task failed: no reading this time
+                pass
+        if record.pending is None:  # answered: the next silence reads afresh (no stale baseline)
+            record.sample_ref, record.slot_counter, record.slot_progress_at = None, None, None
+            record.slot_read_at, record.proc_state = None, None
+            return
+        if record.sample_ref is None and silent >= REMOTE_SAMPLE_AFTER * limit:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            if self._remote_sample is None:  # defined once (each definition is exported anew)
+                self._remote_sample = ray.remote(num_cpus=0, max_retries=0)(sample_progress)
+            try:
+                record.sample_ref = self._remote_sample.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pid)
+            except Exception:  # the node is gone: the rank's verdict goes without a reading
+                record.sample_ref = None
+
+    @staticmethod
+    def _apply_sample(record: RankRecord, now: float, sample: dict[str, Any]) -> None:
+        record.slot_read_at, record.proc_state = now, sample.get("state")
+        counter = sample.get("counter")
+        if counter is None:
+            return
+        if record.slot_counter is not None and counter != record.slot_counter:
+            record.slot_progress_at = now
+        record.slot_counter = counter
+
+    def _verdict(self, record: RankRecord, now: float, silent: float, limit: float) -> tuple[str, str]:
+        """("busy" or "wedged", why) for a rank whose probe has gone unanswered past the limit:
+        busy when its progress counter advanced within the limit (and its calls have not been
+        silent for the busy bound), wedged when it is stopped, its counter stands still, or no
+        counter could be read."""
+        if record.proc_state in STOPPED:
+            return "wedged", f"its process is stopped (state {record.proc_state} in /proc/<pid>/stat)"
+        if record.slot_counter is None:
+            where = "no reading came back from its node" if record.process is not None \
+                and record.process[0] != self.node_id() else "no progress slot readable"
+            return "wedged", f"its progress counter could not be read ({where})"
+        since = None if record.slot_progress_at is None else now - record.slot_progress_at
+        if since is not None and since <= limit:
+            bound = self.busy_bound_s()
+            if silent > bound:
+                return "wedged", (f"though its progress counter still advances ({since:.1f} s ago), its calls have "
+                                  f"gone unanswered for longer than {bound:.1f} s ({BUSY_BOUND_FACTOR} x the limit): "
+                                  f"it cannot take requests or recovery's calls")
+            return "busy", (f"no answer to a progress probe for {silent:.1f} s (limit {limit:.1f} s), but its "
+                            f"progress counter advanced {since:.1f} s ago (read outside its calls): stepping on "
+                            f"an overloaded machine, not killed; killed if its calls stay unanswered for "
+                            f"{bound:.1f} s")
+        still = "not advanced since the watch began reading it" if since is None \
+            else f"not advanced for {since:.1f} s"
+        return "wedged", f"its progress counter has {still} (process state {record.proc_state or 'unknown'})"
 
     def _kill(self, record: RankRecord, silent: float) -> None:
         """A wedged rank is killed (Ray restarts it), so that recovery handles it as a dead one."""
@@ -270,9 +404,11 @@ class RankWatch:
             # ends it seconds later (measured 6 s), and until then its streams cannot move. A
             # SIGKILL on its node ends it now.
             sigkill_on_node(*record.process)
+            if record.process[0] == self.node_id():
+                remove_slot(record.process[1])  # (one on another node goes with the next sweep there)
         record.reason += f"; {outcome}"
         with self._lock:
-            self.wedged.append({"rank": record.name, "pid": record.pid, "reason": record.reason,
+            self.wedged.append({"rank": record.name, "pid": record.pid or self._pid(record), "reason": record.reason,
                                 "silent_s": round(silent, 3), "time": time.time()})
             del self.wedged[:-WEDGED_KEPT]
         # Recovery now, not when the others' exchange deadline passes (a transport such as gloo
@@ -306,17 +442,24 @@ class RankWatch:
         with self._lock:
             records = list(self.records.values())
             wedged = list(self.wedged)
+            spared = list(self.spared)
         ranks = []
         for record in records:
             ranks.append({
-                "rank": record.name, "state": record.state, "reason": record.reason, "pid": record.pid,
+                "rank": record.name, "state": record.state, "reason": record.reason,
+                "pid": record.pid or self._pid(record),
                 "last_progress_time": record.progress_wall,
                 "since_progress_s": None if record.progress_at is None else round(now - record.progress_at, 3),
                 "since_answer_s": None if record.answered_at is None else round(now - record.answered_at, 3),
                 "progress": record.counter,
+                "process_state": record.proc_state,
+                "slot_progress": record.slot_counter,  # its progress slot's counter (loop turns)
+                "since_slot_progress_s": None if record.slot_progress_at is None
+                else round(now - record.slot_progress_at, 3),
             })
         return {"time": wall, "deadline_s": self.deadline_s(), "wedge_after_s": self.wedge_after_s(),
-                "ranks": ranks, "wedged": wedged, "watch_error": self.last_error}
+                "busy_bound_s": self.busy_bound_s(), "ranks": ranks, "wedged": wedged, "spared": spared,
+                "watch_error": self.last_error}
 
 
 class RankWatching:

@@ -10,7 +10,10 @@ controller actor's calls). A router whose step failed calls ``recover(generation
 2. if every lost expert has a replica on a survivor, serve on the survivors at once (the lost
    workers' slots empty in a new epoch, the groups rebuilt over the survivors) and re-include
    the lost workers in the background once Ray has restarted them (``_reinclude``: retried
-   with backoff; a failed switch rolls back onto the replicas);
+   with backoff; a failed switch rolls back onto the replicas). On the CPU transports the
+   re-include is make-before-break (``_switch_live``): the new group forms beside the one in
+   service and every rank switches to it at one agreed step boundary, so nobody stops; on
+   NCCL every rank stops, joins and resumes (``_stop_and_switch``);
 3. otherwise wait for the restarted workers, load the placement in service into them
    (``_reload``: a deadline from the pool's bytes, retried on a timeout), give restarted
    routers the supervisor and placement back, and rebuild every group.
@@ -36,6 +39,8 @@ from typing import Any
 import ray
 
 from raymoe.actors.rank_watch import RankWatching, actor_table_entry
+from raymoe.actors.expert_worker import MARK_LAYERS, migration_mark
+from raymoe.kernels.comm import CommBackend
 from raymoe.kernels.comm import errors as comm_errors
 from raymoe.moe.placement import PlacementTable
 
@@ -52,6 +57,7 @@ RELOAD_MIN_BYTES_PER_S = 50 * 2**20
 RELOAD_ATTEMPTS = 3
 RELOAD_FIRST_BACKOFF_S = 2.0
 PING_TIMEOUT_S = 5.0  # a worker that cannot answer `info` in this long is treated as lost
+PING_STATE_POLL_S = 0.05  # meanwhile Ray's actor table is read this often: not alive there is lost at once
 # A router of the group that cannot say its pid in this long is left out of the next group (not
 # killed: the rank watch kills a wedged one) and re-included once it answers; a call to a
 # router that was just killed waits for its restart, which must not hold the others.
@@ -70,7 +76,15 @@ MAX_IDENTICAL_STEP_FAILURES = 3
 # Where a test may make recovery fail on purpose (Controller.inject_fault): loading the
 # placement into a restarted worker, joining the groups that re-include it, and a recovery's
 # own switch to the new group (as when a survivor is lost in the middle of it).
-RECOVERY_FAULT_POINTS = ("reinclude_load", "reinclude_join", "recovery_switch")
+RECOVERY_FAULT_POINTS = ("reinclude_load", "reinclude_join", "recovery_switch", "reinclude_hold")
+# reinclude_hold is no failure: the re-include holds the new group, formed beside the one in
+# service, this long before the switch mark, so that a test sees serving go on meanwhile.
+REINCLUDE_HOLD_S = 3.0
+# The re-include's make-before-break (``Recovery._switch_live``): transports on which a new group
+# may form beside the live one, and how long every rank has to switch after the mark (else every
+# rank is stopped and the group rebuilt, ``_stop_and_switch``).
+LIVE_SWITCH_BACKENDS = (CommBackend.SOCKETS, CommBackend.GLOO)
+LIVE_SWITCH_TIMEOUT_S = 10.0
 
 
 class RepeatedStepFailure(RuntimeError):
@@ -103,6 +117,18 @@ def _gather(refs: list[Any], timeout_s: float = CALL_TIMEOUT_S) -> list[Any]:
             raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(refs)} calls did not finish in {timeout_s} s")
         ray.get(ready)
     return ray.get(list(refs))
+
+
+def _until_available_all(calls: list[Any], timeout_s: float = RESTART_TIMEOUT_S) -> list[Any]:
+    """``_until_available`` of every call, issued all at once (one round trip, not one each)."""
+    refs = [call() for call in calls]
+    results = []
+    for call, ref in zip(calls, refs):
+        try:
+            results.append(ray.get(ref, timeout=CALL_TIMEOUT_S))
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
+            results.append(_until_available(call, timeout_s))
+    return results
 
 
 def _describe(error: BaseException) -> str:
@@ -174,6 +200,8 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
         self.routers_out: set[int] = set()
         self.killed_pids: dict[int, int] = {}  # worker -> the pid recovery killed, until a new one answers
         self._router_thread: threading.Thread | None = None
+        self._phases: list | None = None  # the re-include's phase ends, while one runs (its record's "phases")
+        self._phase_start = 0.0
         self._init_rank_watch()  # its thread waits for the constructor to finish
 
     # ---- failure recovery -------------------------------------------------------------------
@@ -199,6 +227,7 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
             if generation < self.generation:
                 return self.generation
             started = time.perf_counter()
+            self._phase_start, self._phases = started, []
             self._count("recoveries")
             # Step 1: who answers, and who was restarted already (a new pid)? Workers left out
             # while the replicas serve for them are the re-include thread's business.
@@ -212,13 +241,17 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
                     self.killed_pids[index] = self.worker_pids[index]
                     continue
                 try:
-                    infos[index] = ray.get(answer, timeout=PING_TIMEOUT_S)
-                    if infos[index]["pid"] != self.worker_pids[index]:
+                    infos[index] = self._ping(self.workers[index], answer)
+                    if infos[index] is None:
+                        lost.append(index)  # Ray's actor table says it is dead or restarting
+                    elif infos[index]["pid"] != self.worker_pids[index]:
                         restarted.append(index)
                 except ray.exceptions.GetTimeoutError:
                     frozen.append(index)  # alive but not answering
                 except LOST:
                     lost.append(index)  # dead: Ray is restarting it already
+            infos = {index: info for index, info in infos.items() if info is not None}
+            self._phase("pinged")
             repeated = self._repeated_failure(infos, any_lost=bool(lost or frozen or restarted))
             if self.degraded is not None and not self._reinclude_running():
                 self._start_reinclude()  # an earlier round of attempts gave up: try again
@@ -247,6 +280,7 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
             # Step 4: new groups, one per router, every member joins.
             self._rebuild_groups(members, fault_point="recovery_switch")
             next_generation = self.generation
+            self._phases = None
             self.recoveries.append({"time": time.time(), "lost_workers": lost, "restarted_routers": restarted_routers,
                                     "routers_left_out": left_out, "mode": "restart", "generation": next_generation,
                                     "seconds": time.perf_counter() - started})
@@ -256,6 +290,23 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
                 self.last = {"error": repeated, "time": time.time()}
                 raise RepeatedStepFailure(repeated)
             return self.generation
+
+    @staticmethod
+    def _ping(actor: Any, answer: Any) -> dict[str, Any] | None:
+        """``answer`` (the worker's ``info``) within ``PING_TIMEOUT_S``, or None as soon as Ray's
+        actor table says the actor is not alive (restarting or dead): a call to a SIGKILLed actor
+        fails only after ~1.3-1.6 s here, while its table row says RESTARTING within ~30 ms of
+        the kill, and that wait was most of the streams' pause at the fault. Raises what the call
+        raises; ``GetTimeoutError`` when it does not answer in time (frozen)."""
+        deadline = time.monotonic() + PING_TIMEOUT_S
+        while True:
+            ready, _ = ray.wait([answer], timeout=max(0.0, min(PING_STATE_POLL_S, deadline - time.monotonic())))
+            if ready:
+                return ray.get(answer)
+            if actor_table_entry(actor._actor_id.hex()).get("State", "ALIVE") not in ("ALIVE", "DEPENDENCIES_UNREADY"):
+                return None
+            if time.monotonic() >= deadline:
+                return ray.get(answer, timeout=0)  # GetTimeoutError: alive, not answering
 
     def _repeated_failure(self, infos: dict[int, dict[str, Any]], any_lost: bool) -> str | None:
         """The message to fail the step's requests with, if this recovery is the
@@ -278,18 +329,19 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
                 "this is not a lost peer but a deterministic failure, so the requests in flight are failed "
                 "instead of retried (see the workers' logs)")
 
-    def _rebuild_groups(self, members: list[int], fault_point: str | None = None) -> None:
-        """Abort every communicator and join every router with ``members`` (worker indices) anew."""
-        for index in members:
-            _until_available(self.workers[index].reset_comms.remote)
-        for router in self.group_routers():
-            _until_available(router.abort_comm.remote)
+    def _rebuild_groups(self, members: list[int], fault_point: str | None = None, stopped: bool = False) -> None:
+        """Abort every communicator (unless ``stopped`` already) and join every router with
+        ``members`` (worker indices) anew."""
+        if not stopped:
+            self._stop_everyone(members)
         self._fault(fault_point)
         next_generation = self.generation + 1
         join_ep_group(self.routers, self.workers, members, self.groups["backend"], self.groups["timeout_s"],
                       next_generation, self.router_members())
+        self._phase("joined")
         if len(members) == len(self.workers):
             self._join_migration_group()
+            self._phase("migration joined")
         self.generation = next_generation
 
     def _switch_groups(self, table: PlacementTable, base_epoch: int, activate_on: list[int],
@@ -298,10 +350,24 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
         routers stop (comms aborted), switch placement, and join the new groups."""
         ray.get([self.workers[w].activate.remote(table.epoch, base_epoch, table.to_dict()) for w in activate_on],
                 timeout=CALL_TIMEOUT_S)
-        for router in self.group_routers():
-            _until_available(router.abort_comm.remote)
+        self._phase("activated")
+        self._stop_and_switch(table, members, fault_point)
+
+    def _stop_and_switch(self, table: PlacementTable, members: list[int], fault_point: str | None = None) -> None:
+        """Every rank stops (routers' communicators aborted, workers' reset, all at once), the
+        routers switch to ``table`` (every worker of ``members`` serves its epoch already) and
+        the groups are rebuilt over ``members``."""
+        self._stop_everyone(members)
         ray.get([r.set_placement.remote(table.to_dict()) for r in self.group_routers()], timeout=CALL_TIMEOUT_S)
-        self._rebuild_groups(members, fault_point)
+        self._phase("placement set")
+        self._rebuild_groups(members, fault_point, stopped=True)
+
+    def _stop_everyone(self, members: list[int]) -> None:
+        """Abort every router's communicator and reset every worker of ``members``, all calls at
+        once (a rank between restarts is waited for)."""
+        _until_available_all([router.abort_comm.remote for router in self.group_routers()] +
+                             [self.workers[index].reset_comms.remote for index in members])
+        self._phase("stopped")
 
     def _covered_without(self, lost: list[int]) -> bool:
         """Every logical expert of every layer still has a slot on a worker not in ``lost``."""
@@ -328,9 +394,10 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
         self.degraded = {"lost": lost, "rows": current.phy2log.copy(), "since": time.time(), "attempts": 0,
                          "last_error": None, "next_attempt_at": None, "gave_up": False}
         self._count("recoveries_on_replicas")
+        phases, self._phases = self._phases, None
         self.recoveries.append({"time": time.time(), "lost_workers": lost, "restarted_routers": [],
                                 "mode": "replicas", "generation": self.generation,
-                                "seconds": time.perf_counter() - started})
+                                "seconds": time.perf_counter() - started, "phases": phases})
         self._start_reinclude()
         return self.generation
 
@@ -481,15 +548,19 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
         the replicas (the degraded placement, groups over the survivors) before it is raised,
         so requests wait a moment but are never lost."""
         lost = self.degraded["lost"]
+        began = time.perf_counter()
         self._replace_dead_workers(lost)  # one Ray will not restart gets a new actor (actors/self_heal.py)
         pids = {index: self._wait_restarted(self.workers[index], self._restart_timeout_s(), self.killed_pids.get(index))
                 for index in lost}
         for index in lost:
             self.killed_pids.pop(index, None)
+        restart_wait_s = time.perf_counter() - began
         with self._recover_lock:
             if self.degraded is None:
                 return
             started = time.perf_counter()
+            self._phase_start, self._phases = started, []
+            phases = self._phases
             current = self.placement
             restored = self._new_table(self.degraded["rows"])
             # a replaced worker's experts are copied from the survivors (actors/self_heal.py)
@@ -499,10 +570,20 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
                 self._fault("reinclude_load")
                 if index not in seeded:
                     self._reload(index, restored)
+            self._phase("loaded")
             survivors = [w for w in range(len(self.workers)) if w not in lost]
+            everyone = list(range(len(self.workers)))
+            switch = "stop"
             try:
-                self._switch_groups(restored, current.epoch, survivors + seeded, list(range(len(self.workers))),
-                                    fault_point="reinclude_join")
+                if self._live_switch_backend():  # make-before-break: serving goes on while the group forms
+                    ray.get([self.workers[w].activate.remote(restored.epoch, current.epoch, restored.to_dict())
+                             for w in survivors + seeded], timeout=CALL_TIMEOUT_S)
+                    self._phase("activated")
+                    switch = self._switch_live_or_stop(restored, everyone, lost)
+                    self._fault("reinclude_join")  # (tests) as if the new group failed once every rank is on it
+                else:  # NCCL: every rank stops, joins, resumes
+                    self._switch_groups(restored, current.epoch, survivors + seeded, everyone,
+                                        fault_point="reinclude_join")
             except Exception:
                 self._roll_back(restored, survivors)
                 raise
@@ -511,8 +592,91 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
             self.placement = restored
             self.degraded = None
             self._count("reincludes")
+            self._phase("retired")
+            self._phases = None
             self.recoveries.append({"time": time.time(), "reincluded_workers": lost, "mode": "reinclude",
-                                    "generation": self.generation, "seconds": time.perf_counter() - started})
+                                    "switch": switch, "generation": self.generation,
+                                    "seconds": time.perf_counter() - started, "restart_wait_s": restart_wait_s,
+                                    "phases": phases})
+
+    # ---- make-before-break (the re-include's switch on the CPU transports) ----------------------
+    def _live_switch_backend(self) -> bool:
+        """Whether the groups' transport may form a new group beside the live one (sockets,
+        gloo). Not NCCL: a communicator created beside live collectives can deadlock there
+        (jax#11637), so NCCL groups are rebuilt with every rank stopped (``_switch_groups``)."""
+        return CommBackend(self.groups["backend"]).resolve() in LIVE_SWITCH_BACKENDS
+
+    def _switch_live_or_stop(self, table: PlacementTable, members: list[int], fresh: list[int]) -> str:
+        """Serve ``table`` over a group of ``members`` (``fresh``: those serving no group now):
+        formed beside the one in service and switched to at one step boundary
+        (``_switch_live``); if that fails, every rank is stopped and the group rebuilt
+        (``_stop_and_switch``). Returns which: ``"live"`` or ``"stop (live switch failed: ...)"``."""
+        try:
+            self._switch_live(table, members, fresh)
+            return "live"
+        except Exception as error:
+            self._count("live_switch_failures")
+            self.last = {"error": f"the live switch to epoch {table.epoch} failed ({_describe(error)}); "
+                                  "stopping every rank to switch instead", "time": time.time()}
+            self._stop_and_switch(table, members)
+            return f"stop (live switch failed: {_describe(error)})"
+
+    def _switch_live(self, table: PlacementTable, members: list[int], fresh: list[int]) -> None:
+        """Make-before-break: every router and every worker of ``members`` joins a new group
+        (generation + 1) beside the one in service, on its call threads, while the step loops
+        go on serving; the restarted workers (``fresh``) loaded their experts and warmed up
+        before (Ray's restart, ``_reload``), and the survivors activated ``table``'s epoch. Once
+        every rank has joined, the routers get a switch mark (``Router.mark_migration``): they
+        send it in an idle tick that all of them send in the same round, and right after that
+        tick every router switches group and placement together and every serving worker
+        switches group (it reads the mark in the tick, as for a queued copy:
+        ``ExpertWorker.prepare_switch``); the fresh workers start serving the new group at
+        once. No rank stops: the streams see one round without a step. Raises if any rank
+        fails to join or to switch within ``LIVE_SWITCH_TIMEOUT_S``: the caller then stops
+        every rank (``abort_comm``/``reset_comms`` also drop a prepared group)."""
+        generation = self.generation + 1
+        mark = migration_mark(table.epoch, MARK_LAYERS - 1)  # above every copy's mark of this epoch
+        routers = self.group_routers()
+        backend, timeout_s, count = self.groups["backend"], self.groups["timeout_s"], len(routers)
+        # A fresh worker's loop on a group it served before (a failed attempt's) ends now, not at its deadline.
+        _until_available_all([self.workers[w].reset_comms.remote for w in fresh])
+        rendezvous = ray.get(routers[0].rendezvous.remote(), timeout=CALL_TIMEOUT_S)
+        placement = table.to_dict()
+        _gather([router.prepare_switch.remote(rendezvous, generation, members, rank, count, placement)
+                 for rank, router in enumerate(routers)] +
+                [self.workers[w].prepare_switch.remote(backend, rendezvous, count + rank, count, members, timeout_s,
+                                                       generation, mark)
+                 for rank, w in enumerate(members)])
+        self._phase("new group formed")
+        if self._take_fault("reinclude_hold"):  # (tests) serving goes on over the old group meanwhile
+            self._stopped.wait(REINCLUDE_HOLD_S)
+        # Every rank has prepared: now the mark (no router may have it before every rank can switch).
+        ray.get([router.mark_migration.remote(mark) for router in routers] +
+                [self.workers[w].serve_pending.remote(generation) for w in fresh], timeout=CALL_TIMEOUT_S)
+        self._phase("marked")
+        switched = ray.get([router.wait_switched.remote(generation, LIVE_SWITCH_TIMEOUT_S) for router in routers] +
+                           [self.workers[w].wait_switched.remote(generation, LIVE_SWITCH_TIMEOUT_S) for w in members],
+                           timeout=LIVE_SWITCH_TIMEOUT_S + CALL_TIMEOUT_S)
+        if not all(switched):
+            late = [f"router {i}" for i, ok in zip(self.router_members(), switched) if not ok] + \
+                   [f"worker {w}" for w, ok in zip(members, switched[count:]) if not ok]
+            raise RuntimeError(f"{', '.join(late)} did not switch to generation {generation} within "
+                               f"{LIVE_SWITCH_TIMEOUT_S:g} s of the mark")
+        self._phase("switched")
+        self.generation = generation
+        if len(members) == len(self.workers):
+            self._join_migration_group()  # beside serving, on call threads (as at start-up)
+            self._phase("migration joined")
+
+    def _phase(self, name: str) -> None:
+        """A step of a recovery or re-include ended: its seconds since the lock was taken go in
+        the record's ``phases``; a re-include's last step is also ``status()["degraded"]["phase"]``."""
+        phases = self._phases
+        if phases is not None:
+            phases.append((name, round(time.perf_counter() - self._phase_start, 4)))
+        degraded = self.degraded
+        if degraded is not None and self._reinclude_thread is threading.current_thread():
+            degraded["phase"] = name
 
     def _roll_back(self, attempted: PlacementTable, survivors: list[int]) -> None:
         """Back onto the replicas after a failed switch to ``attempted``: the degraded placement

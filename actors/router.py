@@ -31,6 +31,7 @@ import torch
 from raymoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from raymoe.actors.cpu_affinity import pin_current_thread
 from raymoe.actors.devices import actor_cuda_device
+from raymoe.actors.progress_slot import ProgressSlot
 from raymoe.engine.exchange.ep_exchange import GroupLayout, RouterExchange, router_exchange
 from raymoe.engine.host_memory import allocator_in_use
 from raymoe.engine.prompt_logprobs import PromptLogprobs
@@ -103,6 +104,17 @@ class ScoreJob:
     result: Any = None
     error: Exception | None = None
     done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class PendingGroup:
+    """A group this router joined beside the one it serves (``Router.prepare_switch``): its
+    exchange, the placement served with it, and set once the step loop switched to it."""
+    exchange: RouterExchange
+    table: PlacementTable
+    generation: int
+    num_routers: int
+    switched: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True)
@@ -179,10 +191,17 @@ class Router:
         self.recoveries = 0
         self.last_failure: dict[str, Any] | None = None
         self.idle_rounds = 0
+        # Every turn of the step loop counts here, where the controller's rank watch reads it
+        # without this process's GIL (actors/progress_slot.py): a router whose calls go
+        # unanswered while it steps (an overloaded machine) is busy, not wedged.
+        self.progress = ProgressSlot()
         self.generated_tokens = 0  # tokens this router sampled since start (aborted requests' too)
         # The controller's migration mark (mark_migration) and the last one this router's idle
         # ticks carried: a new one is sent in an idle tick the routers agree on (_step_loop).
         self.migration_mark = self._mark_sent = 0
+        # A group formed beside the one in service (prepare_switch), switched to after the next
+        # idle tick the routers agree on (a re-include's make-before-break; actors/recovery.py).
+        self._pending: PendingGroup | None = None
 
     def _warm_up(self) -> dict[str, Any]:
         """Run once what compiles or loads kernels on first use, outside any group: the
@@ -223,6 +242,7 @@ class Router:
         comm = make_communicator(self.backend, rendezvous, rank=rank, world_size=layout.world_size,
                                  timeout_s=self.timeout_s, device=self.device if self.device.type == "cuda" else None,
                                  bind_host=ray.util.get_node_ip_address())
+        self._drop_pending()  # a group built instead of the one prepared beside the old
         with self._lock:
             self.experts.exchange = router_exchange(
                 comm, layout, rank, self.experts.placement.num_workers,  # the placement in service
@@ -239,9 +259,74 @@ class Router:
             self._thread.start()
 
     def abort_comm(self) -> None:
+        self._drop_pending()
         exchange, self.experts.exchange = self.experts.exchange, None
         if exchange is not None:
             exchange.comm.abort()
+
+    # ---- make-before-break: a new group formed beside the one in service -----------------
+    def prepare_switch(self, rendezvous: Any, generation: int, participants: list[int], rank: int,
+                       num_routers: int, placement: dict[str, Any]) -> None:
+        """Join a new group (``join``'s arguments) beside the one in service, to serve it with
+        ``placement``: the step loop goes on over the old group meanwhile and switches, placement
+        and group together at one step boundary, right after the next idle tick that every router
+        sends in the same round (the controller's ``mark_migration`` starts one; it gives the
+        mark only once every router and worker has prepared). Blocks until every rank of the new
+        group joined. CPU transports only: on NCCL a communicator made beside live collectives
+        can deadlock (the controller rebuilds NCCL groups with every rank stopped)."""
+        if self.backend is CommBackend.NCCL:
+            raise RuntimeError("a new NCCL group is never formed beside a live one; the controller stops every rank")
+        table = PlacementTable.from_dict(placement)
+        layout = GroupLayout(num_routers, tuple(participants))
+        comm = make_communicator(self.backend, rendezvous, rank=rank, world_size=layout.world_size,
+                                 timeout_s=self.timeout_s, device=None, bind_host=ray.util.get_node_ip_address())
+        pending = PendingGroup(router_exchange(comm, layout, rank, table.num_workers, table.slots_per_worker,
+                                               self.config.top_k, self.config.hidden_size, self.engine.dtype,
+                                               self.device), table, generation, num_routers)
+        with self._wake:
+            old, self._pending = self._pending, pending
+        if old is not None:
+            old.exchange.comm.abort()
+
+    def wait_switched(self, generation: int, timeout_s: float) -> bool:
+        """Whether the step loop switched to the group of ``generation`` (prepared with
+        ``prepare_switch``) within ``timeout_s``; False also when it was dropped meanwhile."""
+        pending = self._pending
+        if pending is None or pending.generation != generation:
+            return self.comm_generation == generation and self.experts.exchange is not None
+        return pending.switched.wait(timeout_s)
+
+    def _drop_pending(self) -> None:
+        with self._wake:
+            pending, self._pending = self._pending, None
+        if pending is not None and not pending.switched.is_set():
+            pending.exchange.comm.abort()
+
+    def _switch_to_pending(self, old: RouterExchange) -> bool:
+        """(Step loop, right after an agreed idle tick.) Serve the prepared group, with its
+        placement, from the next round on; the old group's communicator is closed. Whether
+        there was one to switch to."""
+        with self._wake:
+            pending = self._pending
+        if pending is None:
+            return False
+        with self._lock:
+            if self._pending is not pending or self.experts.exchange is not old:  # dropped or stopped meanwhile
+                return False
+            table = pending.table
+            if table.num_slots != self.experts.placement.num_slots:
+                self.telemetry.resize(table.num_slots, table.num_workers)
+            self.experts.set_placement(table)
+            self.experts.exchange = pending.exchange
+            self.group_routers = pending.num_routers
+            self.comm_generation = pending.generation
+            self.idle_rounds = 0
+        with self._wake:
+            if self._pending is pending:
+                self._pending = None
+        pending.switched.set()
+        old.comm.close()
+        return True
 
     def set_supervisor(self, supervisor: Any) -> None:
         self.supervisor = supervisor
@@ -279,6 +364,7 @@ class Router:
         """
         self.pinned_core = pin_current_thread(self.pin_core)
         while True:
+            self.progress.tick()
             with self._wake:
                 if self._stopped:
                     return
@@ -308,6 +394,8 @@ class Router:
                 if tick:
                     exchange.idle_tick(mark)
                     self._mark_sent = mark
+                    if self._pending is not None and self._switch_to_pending(exchange):
+                        continue  # every router switched after this tick; the workers too (its mark)
                 if not step:
                     self.idle_rounds += 1
                     if not tick and (self.group_routers == 1 or self.idle_rounds % TICK_ROUNDS == 0):
@@ -623,6 +711,7 @@ class Router:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.progress.close()
         exchange, self.experts.exchange = self.experts.exchange, None
         if exchange is not None:
             exchange.comm.close()

@@ -88,6 +88,26 @@ def longest_pause(streams: list[dict]) -> float:
     return max((end - start for s in streams for start, end, _ in gaps(s)), default=0.0)
 
 
+def pause_within(streams: list[dict], start: float, end: float) -> float:
+    """The longest gap between two consecutive token events over ``streams`` that overlaps
+    ``[start, end]`` (0 without any): the pause a phase caused (a recovery, a re-include)."""
+    return max((b - a for s in streams for a, b, _ in gaps(s) if b >= start and a <= end), default=0.0)
+
+
+def phase_windows(recoveries: list[dict], wall_minus_mono: float, fault_t: float) -> dict[str, tuple[float, float]]:
+    """From the controller's recovery records after the fault (each ends at ``time``, wall clock,
+    and took ``seconds``): the window of the fault (from the fault to the end of the first
+    recovery) and of the re-include (the record with ``reincluded_workers``), in monotonic time."""
+    windows: dict[str, tuple[float, float]] = {}
+    for record in recoveries:
+        end = record["time"] - wall_minus_mono
+        if "reincluded_workers" in record and "reinclude" not in windows:
+            windows["reinclude"] = (end - record.get("seconds", 0.0), end)
+        elif "lost_workers" in record and "fault" not in windows:
+            windows["fault"] = (fault_t, end)
+    return windows
+
+
 def itl_after(streams: list[dict], fault_t: float, window_s: float) -> list[float]:
     """Inter-token latencies of the tokens that arrived in [fault_t, fault_t + window_s]: an event
     carrying n tokens after a gap g counts n times g / n."""
@@ -150,16 +170,26 @@ def summarize(case: str, streams: list[dict], reference: list[list[int]] | None,
     }
 
 
+def split_pauses(row: dict, streams: list[dict], surviving: list[int] | None, windows: dict) -> None:
+    """Add to ``row`` the longest pause of the surviving streams at the fault (a gap overlapping
+    the fault's recovery) and at the re-include (a gap overlapping it), where the records say when."""
+    alive = streams if surviving is None else [streams[i] for i in surviving]
+    for name, (start, end) in windows.items():
+        row[f"pause_at_{name}_s"] = round(pause_within(alive, start, end), 3)
+        row[f"{name}_window_s"] = [round(start, 3), round(end, 3)]
+
+
 def table(rows: list[dict]) -> str:
     def seconds(value):
         return "n/a" if value is None else f"{value:.2f}"
 
     lines = [f"{'case':4} {'what':30} {'lost':>6} {'differ':>6} {'pause surv/all s':>17} "
-             f"{'p99 ITL after ms':>16} {'full size s':>11}"]
+             f"{'p99 ITL after ms':>16} {'full size s':>11} {'at fault/re-include s':>21}"]
     for r in rows:
         lines.append(f"{r['case']:4} {r['what']:30} {r['lost']:>3}/{r['streams']:<2} {r['differing']:>6} "
                      f"{r['longest_pause_surviving_s']:>8.2f}/{r['longest_pause_all_s']:<8.2f} "
-                     f"{r['p99_itl_after_ms']:>16.1f} {seconds(r['full_size_s']):>11}")
+                     f"{r['p99_itl_after_ms']:>16.1f} {seconds(r['full_size_s']):>11} "
+                     f"{seconds(r.get('pause_at_fault_s')):>10}/{seconds(r.get('pause_at_reinclude_s')):<10}")
     return "\n".join(lines)
 
 
@@ -338,6 +368,13 @@ def run_case(server, case: str, args, reference: list[list[int]] | None, replica
         surviving = [i for i in range(args.streams) if i % 2 == 1]
     row = summarize(case, records, reference, args.tokens, fault_t, surviving, args.after_s, full_s)
     row["victim_pid"] = victim
+    if case != "none":
+        try:
+            recoveries = admin(server.url).get("recoveries", [])[recoveries_before:]
+        except (OSError, ValueError):
+            recoveries = []
+        row["recoveries"] = recoveries
+        split_pauses(row, records, surviving, phase_windows(recoveries, time.time() - time.monotonic(), fault_t))
     origin = fault_t if fault_t is not None else min(
         (t for r in records for t, ids in r["events"] if ids), default=time.monotonic())
     rate_t, rate = rate_series(records, origin)

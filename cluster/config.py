@@ -131,7 +131,7 @@ class PlacementSection(_Section):
     router_resources: RayResources = {}
 
 
-# A rank silent this long is wedged (actors/rank_watch.py), unless comm.wedge_after_s says
+# A rank silent this long, and not stepping, is wedged (actors/rank_watch.py), unless comm.wedge_after_s says
 # otherwise: WEDGE_FRACTION of comm.timeout_s (found within the exchange deadline), at most
 # WEDGE_CAP_S (a probe is answered by the rank's own call threads, whatever its step is doing,
 # so a long deadline for slow steps need not mean a long wait for a frozen process).

@@ -141,7 +141,7 @@ def actor_rows(num_routers: int, num_workers: int, namespace: str = NAMESPACE,
 
 
 def merge_rank_states(rows: list[dict[str, Any]], report: dict[str, Any]) -> None:
-    """Each row gains the watch's ``rank_state`` (serving, alive, stalled, wedged, dead), its
+    """Each row gains the watch's ``rank_state`` (serving, alive, stalled, busy, wedged, dead), its
     reason and the seconds since its last progress (None where the watch has no row)."""
     watched = {rank["rank"]: rank for rank in report.get("ranks", [])}
     for row in rows:

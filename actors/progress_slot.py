@@ -1,0 +1,143 @@
+"""A rank's progress counter, readable without the rank's GIL or its Ray call path.
+
+A router's step thread (every turn of its loop: an agreement round, a group step, a wait while
+not joined) and an expert worker's serving thread (every MoE layer served, every idle tick)
+add one to a counter in a small file in ``/dev/shm`` (``raymoe-progress-<pid>``), mapped into
+the process: a store into shared memory, no system call per step. The controller's rank
+watch (actors/rank_watch.py) reads it, with the process's state from ``/proc/<pid>/stat``, on
+the rank's node, to tell a rank whose Ray calls go unanswered because the machine is
+overloaded (its counter advances: ``busy``) from a frozen one (SIGSTOPped: state ``T``), a
+hung one or one spinning with the GIL held (its counter stands still): only those are killed.
+
+The file: 4 words of 8 bytes, native order: ``MAGIC``, the writer's pid, the counter, unused.
+A slot outlives a SIGKILLed process (tmpfs); each new slot removes the slots of processes that
+no longer exist, and the watch removes the slot of a rank it killed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from typing import Any
+
+SLOT_DIR = "/dev/shm"
+PREFIX = "raymoe-progress-"
+MAGIC = 0x72_61_79_6D_6F_65_70_31  # "raymoep1"
+WORDS = 4
+SIZE = 8 * WORDS
+
+
+def slot_path(pid: int, directory: str = SLOT_DIR) -> str:
+    return os.path.join(directory, f"{PREFIX}{pid}")
+
+
+def _sweep(directory: str) -> None:
+    """Remove the slots of processes that are gone (a SIGKILLed rank leaves its slot)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(PREFIX) or not name[len(PREFIX):].isdigit():
+            continue
+        pid = int(name[len(PREFIX):])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+        except OSError:  # alive, not ours to signal
+            pass
+
+
+class ProgressSlot:
+    """This process's slot (writer side). ``tick()`` costs a Python store, no system call.
+    Where the slot cannot be made (no /dev/shm), ``tick()`` does nothing and the watch judges
+    the rank by its probe alone, as before the slot."""
+
+    def __init__(self, directory: str = SLOT_DIR):
+        self.path: str | None = None
+        self.count = 0
+        self._map: mmap.mmap | None = None
+        self._words: Any = None
+        try:
+            _sweep(directory)
+            path = slot_path(os.getpid(), directory)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.ftruncate(fd, SIZE)
+                self._map = mmap.mmap(fd, SIZE)
+            finally:
+                os.close(fd)
+            self._words = memoryview(self._map).cast("Q")
+            self._words[1] = os.getpid()
+            self._words[2] = 0
+            self._words[0] = MAGIC
+            self.path = path
+        except (OSError, ValueError):
+            self._map, self._words = None, None
+
+    def tick(self) -> None:
+        """One more step (or turn) taken."""
+        self.count += 1
+        words = self._words
+        if words is not None:
+            words[2] = self.count
+
+    def close(self) -> None:
+        words, self._words = self._words, None
+        if words is not None:
+            words.release()
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+
+def read_slot(pid: int, directory: str = SLOT_DIR) -> int | None:
+    """Rank ``pid``'s counter; None when it has no slot here (another node, no /dev/shm, not a
+    rank) or the slot is not its own."""
+    try:
+        with open(slot_path(pid, directory), "rb") as f:
+            data = f.read(SIZE)
+    except OSError:
+        return None
+    if len(data) < SIZE:
+        return None
+    magic, owner, counter, _ = struct.unpack(f"{WORDS}Q", data)
+    if magic != MAGIC or owner != pid:
+        return None
+    return counter
+
+
+def remove_slot(pid: int, directory: str = SLOT_DIR) -> None:
+    try:
+        os.unlink(slot_path(pid, directory))
+    except OSError:
+        pass
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of ``/proc/<pid>/stat`` (R running, S sleeping, D disk wait, T stopped,
+    t traced, Z zombie); None when there is no such process here."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    end = stat.rfind(b")")  # the command name may hold spaces and parentheses
+    if end < 0 or end + 2 >= len(stat):
+        return None
+    return chr(stat[end + 2])
+
+
+def sample_progress(pid: int) -> dict[str, Any]:
+    """What the watch reads of a rank on this node: its process state and its counter."""
+    return {"state": process_state(pid), "counter": read_slot(pid)}
