@@ -45,7 +45,7 @@ from raymoe.actors.recovery import (CALL_TIMEOUT_S, LOST, PING_TIMEOUT_S, RECOVE
 from raymoe.actors.resize import RESIZE_FAULT_POINTS, Resize
 from raymoe.actors.router_resize import RouterResize
 from raymoe.actors.autoscaler import Autoscaler
-from raymoe.actors.expert_worker import migration_mark
+from raymoe.actors.expert_worker import join_mark, migration_mark
 from raymoe.actors.self_heal import HEAL_FAULT_POINTS, SelfHeal
 from raymoe.moe.autoscale_policy import AutoscalePolicy
 from raymoe.moe.placement import PlacementTable
@@ -421,14 +421,30 @@ class Controller(Recovery, Resize, RouterResize, Autoscaler, SelfHeal):
         with self._counters_lock:
             self.counters[name] += 1
 
-    def _join_migration_group(self, workers: list[Any] | None = None) -> None:
+    def _join_migration_group(self, workers: list[Any] | None = None, epoch: int | None = None) -> None:
         """All workers (or ``workers``: a resize's) in one group of their own for expert copies
-        (rank = worker index)."""
+        (rank = worker index), joined as a copy runs: a worker serving the EP group joins right
+        after the idle tick that carries the join's mark, so no communicator is ever created
+        beside its live EP collectives (ExpertWorker.queue_migration_join); one serving none
+        joins at once. The mark is ``join_mark(epoch)``: the epoch whose copies follow (below
+        their marks), else an epoch number of its own (never a table's), above every mark used
+        before and below every later table's. Called where the routers step
+        (they carry the mark); where they wait for a rebuild (recovery, a resize's switch) the
+        group is joined before the EP group, while no worker serves one."""
         workers = self.workers if workers is None else workers
         backend, world = self.groups["backend"], len(workers)
+        timeout_s = max(self.groups["timeout_s"], MIGRATION_TIMEOUT_S)
         rendezvous = ray.get(workers[0].migration_rendezvous.remote(backend), timeout=CALL_TIMEOUT_S)
-        ray.get([w.join_migration.remote(backend, rendezvous, world, max(self.groups["timeout_s"], MIGRATION_TIMEOUT_S))
-                 for w in workers], timeout=CALL_TIMEOUT_S)
+        if epoch is None:
+            with self._counters_lock:  # (a rebalance and a recovery may both take epochs)
+                self.max_epoch += 1
+                epoch = self.max_epoch
+        mark = join_mark(epoch)
+        where = _gather([w.queue_migration_join.remote(mark, backend, rendezvous, world, timeout_s) for w in workers])
+        waits = [w.wait_migration.remote(mark, timeout_s) for w in workers]
+        if "step boundary" in where:
+            _gather([r.mark_migration.remote(mark) for r in self.group_routers()])
+        _gather(waits, timeout_s + CALL_TIMEOUT_S)
 
     # ---- status ---------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

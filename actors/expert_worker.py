@@ -80,13 +80,27 @@ WORKER_FAULT_POINTS = ("migrate_enter", "migrate_staged", "activate")
 # Entries of a worker's collective log (ExpertWorker.collectives): its copies and joins, each
 # placed among the EP collectives by their count; bounded, the oldest dropped first.
 COLLECTIVE_LOG_ENTRIES = 512
-MARK_LAYERS = 1 << 16  # migration_mark: (epoch, layer) -> one int, never 0
+MARK_LAYERS = 1 << 16  # marks of one epoch: its join, its layers' copies, its switch
 
 
 def migration_mark(epoch: int, layer: int) -> int:
     """The mark of the copy collective that stages MoE layer ``layer`` for ``epoch``: unique for
-    ever, since an epoch is never reused (and never 0, which a tick carries for "none")."""
-    return epoch * MARK_LAYERS + layer + 1
+    ever, since an epoch is never reused (and never 0, which a tick carries for "none"). An
+    epoch's marks, in the order they are used: :func:`join_mark`, each layer's copy, then
+    :func:`switch_mark`; every one above every mark of an older epoch."""
+    if not 0 <= layer < MARK_LAYERS - 2:
+        raise ValueError(f"layer {layer} outside 0..{MARK_LAYERS - 3}")
+    return epoch * MARK_LAYERS + layer + 2
+
+
+def join_mark(epoch: int) -> int:
+    """The mark of a migration-group join before ``epoch``'s copies (or in an epoch of its own)."""
+    return epoch * MARK_LAYERS + 1
+
+
+def switch_mark(epoch: int) -> int:
+    """The mark of a switch to a new EP group serving ``epoch`` (after its copies)."""
+    return epoch * MARK_LAYERS + MARK_LAYERS
 
 
 @dataclass
@@ -101,6 +115,7 @@ class QueuedCopy:
     result: int | None = None
     error: BaseException | None = None
     switch: Any = None  # instead of a copy: (exchange, generation) of a group to serve from this mark on
+    join: bool = False  # instead of a copy: join a migration group (args: join_migration's)
 
 
 class InjectedWorkerFault(RuntimeError):
@@ -523,16 +538,70 @@ class ExpertWorker:
         return new_rendezvous(CommBackend(backend), host=host, group_name="raymoe-migration")
 
     def join_migration(self, backend: str, rendezvous: Any, world_size: int, timeout_s: float) -> None:
-        """Join the workers' migration group (rank = worker index): a communicator of its own,
-        so copies never share a stream with dispatch/combine (their order: queue_migration)."""
+        """Join the workers' migration group (rank = worker index) now, on the calling thread: a
+        communicator of its own, so copies never share a stream with dispatch/combine (their
+        order: queue_migration). Only while this worker serves no EP group: creating a
+        communicator beside live collectives on the same GPU can deadlock (NCCL's init
+        allocates device memory; jax#11637), so a serving worker joins at a step boundary
+        instead (:meth:`queue_migration_join`), on every backend alike."""
+        if self.exchange is not None:
+            raise RuntimeError(f"worker {self.worker} serves the EP group: it joins a migration group only between "
+                               "two of its collectives (queue_migration_join under a mark the routers carry)")
         self.abort_migration()
+        self._join_migration_now(backend, rendezvous, world_size, timeout_s)
+
+    def queue_migration_join(self, mark: int, backend: str, rendezvous: Any, world_size: int,
+                             timeout_s: float) -> str:
+        """Join a new migration group (``join_migration``'s arguments) under ``mark``, as a copy
+        is queued (``queue_migration``): a worker serving the EP group joins in its serving loop
+        right after the first idle tick that carries ``mark`` (every worker at the same tick,
+        no EP collective in flight on it meanwhile); one serving none joins at once. Returns
+        ``"step boundary"`` or ``"now"``; ``wait_migration(mark)`` waits for the join. The old
+        migration group is aborted when the new one is joined (copies already queued then run
+        on the new one)."""
+        with self._copies_lock:
+            if mark <= self._last_mark:
+                raise RuntimeError(f"worker {self.worker}: migration mark {mark} is not above the last one queued "
+                                   f"here ({self._last_mark}); a mark is never reused")
+            self._last_mark = mark
+            self.max_epoch = max(self.max_epoch, (mark - 1) // MARK_LAYERS)  # (its epoch is never a table's)
+            copy = QueuedCopy(mark, (backend, rendezvous, world_size, timeout_s), self.exchange, join=True)
+            self._copies[mark] = copy
+            if copy.exchange is None:
+                copy.started = True
+        if copy.exchange is None:
+            threading.Thread(target=self._run_join, args=(copy,), name=f"worker-{self.worker}-migration-join",
+                             daemon=True).start()
+            return "now"
+        return "step boundary"
+
+    def _run_join(self, copy: QueuedCopy, position: list[int] | None = None) -> None:
+        """A queued migration-group join (on the serving loop whose EP position is ``position``,
+        or where no EP group is served), logged with where it fell."""
+        position = self._ep_counter if position is None else position
+        generation, before = self.generation, position[0]
+        try:
+            old, self.migration_comm = self.migration_comm, None
+            if old is not None:
+                old.abort()
+            self._join_migration_now(*copy.args, where=("step boundary" if copy.exchange is not None else "now",
+                                                        generation if copy.exchange is not None else None,
+                                                        before))
+            copy.result = 0
+        except Exception as error:  # told to the caller of wait_migration; serving goes on
+            copy.error = error
+        finally:
+            copy.done.set()
+
+    def _join_migration_now(self, backend: str, rendezvous: Any, world_size: int, timeout_s: float,
+                            where: tuple = ("not serving", None, None)) -> None:
         self.migration_comm = make_communicator(
             CommBackend(backend), rendezvous, rank=self.worker, world_size=world_size, timeout_s=timeout_s,
             device=self.device if self.device.type == "cuda" else None,
             bind_host=ray.util.get_node_ip_address(),
         )
         self.migration_joins += 1
-        self._log("migration join", self.migration_joins)
+        self._log("migration join", self.migration_joins, *where)
 
     def abort_migration(self) -> None:
         """Abort the migration group (a migration failed): a copy collective waiting in it on
@@ -601,6 +670,9 @@ class ExpertWorker:
         if copy.switch is not None:  # not a copy: the step boundary at which to serve a new group
             self._switch_now(copy, exchange)
             return
+        if copy.join:  # not a copy: the step boundary at which to join a migration group
+            self._run_join(copy, position)
+            return
         with torch.inference_mode(False):  # staging writes the pool (normal tensors), as outside the loop
             self._run_copy(copy, position)
 
@@ -643,7 +715,8 @@ class ExpertWorker:
         """The order in which this worker met the collectives of its two communicators: a
         bounded log (``COLLECTIVE_LOG_ENTRIES``, oldest dropped) of EP group joins
         ``("join", generation, 0)``, migration group joins ``("migration join", generation,
-        position, joins)`` and copies ``("copy", generation, position, mark, layer, epoch, where,
+        position, joins, where, served_generation, position_before)`` (where: ``"step boundary"``,
+        ``"now"`` or ``"not serving"``) and copies ``("copy", generation, position, mark, layer, epoch, where,
         served_generation, position_before, position_after, seconds, ok)``. A position places an
         entry among the EP collectives (group steps and idle ticks) of its generation: ``2n``
         right after the n-th, ``2n + 1`` inside the next one (its wait included), so a copy

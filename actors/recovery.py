@@ -39,7 +39,7 @@ from typing import Any
 import ray
 
 from raymoe.actors.rank_watch import RankWatching, actor_table_entry
-from raymoe.actors.expert_worker import MARK_LAYERS, migration_mark
+from raymoe.actors.expert_worker import switch_mark
 from raymoe.kernels.comm import CommBackend
 from raymoe.kernels.comm import errors as comm_errors
 from raymoe.moe.placement import PlacementTable
@@ -336,12 +336,14 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
             self._stop_everyone(members)
         self._fault(fault_point)
         next_generation = self.generation + 1
+        if len(members) == len(self.workers):
+            # Before the EP group, while no worker serves one (the routers wait in recover and
+            # carry no mark): no communicator is created beside live collectives.
+            self._join_migration_group()
+            self._phase("migration joined")
         join_ep_group(self.routers, self.workers, members, self.groups["backend"], self.groups["timeout_s"],
                       next_generation, self.router_members())
         self._phase("joined")
-        if len(members) == len(self.workers):
-            self._join_migration_group()
-            self._phase("migration joined")
         self.generation = next_generation
 
     def _switch_groups(self, table: PlacementTable, base_epoch: int, activate_on: list[int],
@@ -635,7 +637,7 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
         fails to join or to switch within ``LIVE_SWITCH_TIMEOUT_S``: the caller then stops
         every rank (``abort_comm``/``reset_comms`` also drop a prepared group)."""
         generation = self.generation + 1
-        mark = migration_mark(table.epoch, MARK_LAYERS - 1)  # above every copy's mark of this epoch
+        mark = switch_mark(table.epoch)  # above every copy's mark of this epoch
         routers = self.group_routers()
         backend, timeout_s, count = self.groups["backend"], self.groups["timeout_s"], len(routers)
         # A fresh worker's loop on a group it served before (a failed attempt's) ends now, not at its deadline.

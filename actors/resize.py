@@ -201,7 +201,7 @@ class Resize:
                 return self._refused(self._changed_since(current), 409)
             # Step 3: copies from live workers into the new ones; everyone activates the epoch.
             try:
-                self._join_migration_group(everyone)
+                self._join_migration_group(everyone, table.epoch)
                 self._fault_into(new, "resize_copy")
                 moved = self._copy(everyone, current.epoch, table, copies)
                 ray.get([w.activate.remote(table.epoch, current.epoch, table.to_dict()) for w in old]
@@ -351,13 +351,14 @@ class Resize:
         ray.get([r.abort_comm.remote() for r in self.group_routers()], timeout=CALL_TIMEOUT_S)
         ray.get([r.set_placement.remote(table.to_dict()) for r in self.group_routers()], timeout=CALL_TIMEOUT_S)
         ray.get([w.reset_comms.remote() for w in workers], timeout=CALL_TIMEOUT_S)
+        # Before the EP group, while no worker serves one (the routers wait in recover and carry
+        # no mark): no communicator is created beside live collectives.
+        self._join_migration_group(workers)
         generation = self.generation + 1
         self.generation = generation  # a router's recover() of the failed group returns once this is done
         join_ep_group(self.routers, workers, list(range(len(workers))), self.groups["backend"],
                       self.groups["timeout_s"], generation, self.router_members())
-        paused = time.perf_counter() - started
-        self._join_migration_group(workers)
-        return paused
+        return time.perf_counter() - started
 
     def _roll_back_to(self, workers: list[Any], table: PlacementTable) -> str:
         """After a failed group rebuild: ``table``'s placement again over ``workers``, in a newer

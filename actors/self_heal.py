@@ -79,7 +79,7 @@ class SelfHeal:
         copies = plan_refill(current, restored, fresh)
         started = time.perf_counter()
         try:
-            self._join_migration_group()
+            self._join_migration_group(epoch=restored.epoch)
             if self._take_fault("heal_copy"):  # (tests) the replacement fails inside its copy
                 ray.get(self.workers[fresh[-1]].inject_fault.remote("migrate_staged"), timeout=PING_TIMEOUT_S)
             moved = self._copy(list(self.workers), current.epoch, restored, copies)

@@ -171,8 +171,22 @@ def test_a_copy_runs_right_after_the_first_tick_that_carries_its_mark(tiny_mixtr
                + [threading.Thread(target=w.join, args=(backend, group, 2 + w.worker, 2, [0, 1], 20.0))
                   for w in workers])
         assert all(type(w.exchange) is side for w in workers)
+        # The migration group is joined as a copy runs: not beside the serving loop's collectives
+        # (refused) but right after the tick that carries the join's mark, on both workers alike.
         migration = workers[0].migration_rendezvous(backend)
-        joined([threading.Thread(target=w.join_migration, args=(backend, migration, 2, 20.0)) for w in workers])
+        with pytest.raises(RuntimeError, match="serves the EP group: it joins a migration group only between"):
+            workers[0].join_migration(backend, migration, 2, 20.0)
+        join_mark = migration_mark(2, 0)
+        assert [w.queue_migration_join(join_mark, backend, migration, 2, 20.0) for w in workers] == ["step boundary"] * 2
+        with pytest.raises(TimeoutError, match="its step boundary never came"):
+            workers[0].wait_migration(join_mark, 0.3)  # no router carries the mark yet: nobody joined
+        assert all(w.migration_comm is None for w in workers)
+        routers[0].mark_migration(join_mark)
+        assert [w.wait_migration(join_mark, 20.0) for w in workers] == [0, 0]
+        joins = [[e for e in w.collectives()["log"] if e[0] == "migration join"] for w in workers]
+        assert [len(j) for j in joins] == [1, 1], joins
+        (first,), (second,) = joins
+        assert first[4] == second[4] == "step boundary" and first[2] == second[2] and first[2] % 2 == 0, joins
         # Layer 0: worker 0's first expert, into worker 1's slot 0 (staged under epoch 7).
         expert = workers[0].experts[placement.epoch][0][0]
         mark = migration_mark(7, 0)
