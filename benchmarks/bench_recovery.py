@@ -378,7 +378,8 @@ def run_case(server, case: str, args, reference: list[list[int]] | None, replica
     origin = fault_t if fault_t is not None else min(
         (t for r in records for t, ids in r["events"] if ids), default=time.monotonic())
     rate_t, rate = rate_series(records, origin)
-    return {"row": row, "rate_t": [round(t, 2) for t in rate_t], "rate": rate, "resume_t": resume_t,
+    stamps = [[round(t - origin, 3) for t, ids in r["events"] if ids] for r in records]  # token events, s after the fault
+    return {"row": row, "rate_t": [round(t, 2) for t in rate_t], "rate": rate, "resume_t": resume_t, "stamps": stamps,
             "tokens": [token_ids(r) for r in records], "errors": [r["error"] for r in records],
             "pause_per_stream": [round(longest_pause([r]), 3) for r in records]}
 
@@ -499,6 +500,7 @@ def main(argv: list[str] | None = None) -> None:
                        "series": [{"case": r["row"]["case"], "t": r["rate_t"], "tok_s": r["rate"],
                                    "resume_t": r["resume_t"]} for r in results],
                        "pause_per_stream": [[r["row"]["case"], r["pause_per_stream"]] for r in results],
+                       "token_event_times": [[r["row"]["case"], r["stamps"]] for r in results],
                        "errors": [[r["row"]["case"], r["errors"]] for r in results]}, handle, indent=1)
     if args.plot:
         plot([r for r in results if r["row"]["case"] != "none"] or results, args.plot)
