@@ -667,7 +667,7 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
         self._phase("switched")
         self.generation = generation
         if len(members) == len(self.workers):
-            self._join_migration_group()  # beside serving, on call threads (as at start-up)
+            self._join_migration_group()  # at a step boundary the routers mark, as copies run
             self._phase("migration joined")
 
     def _phase(self, name: str) -> None:
