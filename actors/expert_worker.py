@@ -559,19 +559,30 @@ class ExpertWorker:
         ``"step boundary"`` or ``"now"``; ``wait_migration(mark)`` waits for the join. The old
         migration group is aborted when the new one is joined (copies already queued then run
         on the new one)."""
+        where = self._enqueue(mark, (backend, rendezvous, world_size, timeout_s), self._run_join, "migration-join",
+                              join=True)
+        self.max_epoch = max(self.max_epoch, (mark - 1) // MARK_LAYERS)  # (its epoch is never a table's)
+        return where
+
+    def _enqueue(self, mark: int, args: tuple, run, name: str, join: bool = False) -> str:
+        """Queue a copy (or a join) under ``mark`` for the serving loop, to run right after the
+        first tick that carries it; where this worker serves no EP group (nothing to order it
+        against), ``run`` runs it at once on a thread of its own. Returns where."""
         with self._copies_lock:
+            # Marks only grow (epochs are never reused and a copy's layers go in order): a mark
+            # the routers may carry already could meet an old tick before every worker queued it.
             if mark <= self._last_mark:
                 raise RuntimeError(f"worker {self.worker}: migration mark {mark} is not above the last one queued "
                                    f"here ({self._last_mark}); a mark is never reused")
             self._last_mark = mark
-            self.max_epoch = max(self.max_epoch, (mark - 1) // MARK_LAYERS)  # (its epoch is never a table's)
-            copy = QueuedCopy(mark, (backend, rendezvous, world_size, timeout_s), self.exchange, join=True)
+            for old in [old for old, queued in self._copies.items() if queued.done.is_set()]:
+                del self._copies[old]  # ended, and nobody waited for it (a failed migration's): forgotten
+            copy = QueuedCopy(mark, args, self.exchange, join=join)
             self._copies[mark] = copy
-            if copy.exchange is None:
+            if copy.exchange is None:  # no EP group on this device: nothing to order the copy against
                 copy.started = True
         if copy.exchange is None:
-            threading.Thread(target=self._run_join, args=(copy,), name=f"worker-{self.worker}-migration-join",
-                             daemon=True).start()
+            threading.Thread(target=run, args=(copy,), name=f"worker-{self.worker}-{name}", daemon=True).start()
             return "now"
         return "step boundary"
 
@@ -624,24 +635,7 @@ class ExpertWorker:
         if self.migration_comm is None:
             raise RuntimeError(f"worker {self.worker}: no migration group (aborted after a failed migration and "
                                "not joined again); the controller rebuilds it")
-        with self._copies_lock:
-            # Marks only grow (epochs are never reused and a copy's layers go in order): a mark
-            # the routers may carry already could meet an old tick before every worker queued it.
-            if mark <= self._last_mark:
-                raise RuntimeError(f"worker {self.worker}: migration mark {mark} is not above the last one queued "
-                                   f"here ({self._last_mark}); a mark is never reused")
-            self._last_mark = mark
-            for old in [old for old, queued in self._copies.items() if queued.done.is_set()]:
-                del self._copies[old]  # ended, and nobody waited for it (a failed migration's): forgotten
-            copy = QueuedCopy(mark, (epoch, layer, new_epoch, sends, receives), self.exchange)
-            self._copies[mark] = copy
-            if copy.exchange is None:  # no EP group on this device: nothing to order the copy against
-                copy.started = True
-        if copy.exchange is None:
-            threading.Thread(target=self._run_copy, args=(copy,), name=f"worker-{self.worker}-copy",
-                             daemon=True).start()
-            return "now"
-        return "step boundary"
+        return self._enqueue(mark, (epoch, layer, new_epoch, sends, receives), self._run_copy, "copy")
 
     def wait_migration(self, mark: int, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` for the copy queued under ``mark``; returns its bytes sent or
