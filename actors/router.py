@@ -238,17 +238,11 @@ class Router:
         members = tuple(range(len(self.workers))) if participants is None else tuple(participants)
         rank = self.router_index if rank is None else rank
         num_routers = self.num_routers if num_routers is None else num_routers
-        layout = GroupLayout(num_routers, members)
-        comm = make_communicator(self.backend, rendezvous, rank=rank, world_size=layout.world_size,
-                                 timeout_s=self.timeout_s, device=self.device if self.device.type == "cuda" else None,
-                                 bind_host=ray.util.get_node_ip_address())
+        exchange = self._connect(rendezvous, GroupLayout(num_routers, members), rank,
+                                 self.experts.placement)  # the placement in service
         self._drop_pending()  # a group built instead of the one prepared beside the old
         with self._lock:
-            self.experts.exchange = router_exchange(
-                comm, layout, rank, self.experts.placement.num_workers,  # the placement in service
-                self.experts.placement.slots_per_worker,
-                self.config.top_k,
-                self.config.hidden_size, self.engine.dtype, self.device)
+            self.experts.exchange = exchange
             self.group_routers = num_routers
             self.comm_generation = generation
             self.idle_rounds = 0
@@ -257,6 +251,15 @@ class Router:
         if self._thread is None:
             self._thread = threading.Thread(target=self._step_loop, name=f"{self.router_id}-steps", daemon=True)
             self._thread.start()
+
+    def _connect(self, rendezvous: Any, layout: GroupLayout, rank: int, placement: PlacementTable) -> RouterExchange:
+        """Join a group as router ``rank`` of ``layout`` (blocks until every rank joined): this
+        router's side of it, sized for ``placement``."""
+        comm = make_communicator(self.backend, rendezvous, rank=rank, world_size=layout.world_size,
+                                 timeout_s=self.timeout_s, device=self.device if self.device.type == "cuda" else None,
+                                 bind_host=ray.util.get_node_ip_address())
+        return router_exchange(comm, layout, rank, placement.num_workers, placement.slots_per_worker,
+                               self.config.top_k, self.config.hidden_size, self.engine.dtype, self.device)
 
     def abort_comm(self) -> None:
         self._drop_pending()
@@ -277,12 +280,8 @@ class Router:
         if self.backend is CommBackend.NCCL:
             raise RuntimeError("a new NCCL group is never formed beside a live one; the controller stops every rank")
         table = PlacementTable.from_dict(placement)
-        layout = GroupLayout(num_routers, tuple(participants))
-        comm = make_communicator(self.backend, rendezvous, rank=rank, world_size=layout.world_size,
-                                 timeout_s=self.timeout_s, device=None, bind_host=ray.util.get_node_ip_address())
-        pending = PendingGroup(router_exchange(comm, layout, rank, table.num_workers, table.slots_per_worker,
-                                               self.config.top_k, self.config.hidden_size, self.engine.dtype,
-                                               self.device), table, generation, num_routers)
+        pending = PendingGroup(self._connect(rendezvous, GroupLayout(num_routers, tuple(participants)), rank, table),
+                               table, generation, num_routers)
         with self._wake:
             old, self._pending = self._pending, pending
         if old is not None:
