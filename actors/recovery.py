@@ -350,10 +350,14 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
                        members: list[int], fault_point: str | None = None) -> None:
         """Serve ``table`` with groups over ``members``: workers in ``activate_on`` add its epoch,
         routers stop (comms aborted), switch placement, and join the new groups."""
-        ray.get([self.workers[w].activate.remote(table.epoch, base_epoch, table.to_dict()) for w in activate_on],
+        self._activate(table, base_epoch, activate_on)
+        self._stop_and_switch(table, members, fault_point)
+
+    def _activate(self, table: PlacementTable, base_epoch: int, workers: list[int]) -> None:
+        """``workers`` (indices) serve ``table``'s epoch beside ``base_epoch``'s."""
+        ray.get([self.workers[w].activate.remote(table.epoch, base_epoch, table.to_dict()) for w in workers],
                 timeout=CALL_TIMEOUT_S)
         self._phase("activated")
-        self._stop_and_switch(table, members, fault_point)
 
     def _stop_and_switch(self, table: PlacementTable, members: list[int], fault_point: str | None = None) -> None:
         """Every rank stops (routers' communicators aborted, workers' reset, all at once), the
@@ -578,9 +582,7 @@ class Recovery(RankWatching):  # RankWatching: wedged ranks found and killed (ac
             switch = "stop"
             try:
                 if self._live_switch_backend():  # make-before-break: serving goes on while the group forms
-                    ray.get([self.workers[w].activate.remote(restored.epoch, current.epoch, restored.to_dict())
-                             for w in survivors + seeded], timeout=CALL_TIMEOUT_S)
-                    self._phase("activated")
+                    self._activate(restored, current.epoch, survivors + seeded)
                     switch = self._switch_live_or_stop(restored, everyone, lost)
                     self._fault("reinclude_join")  # (tests) as if the new group failed once every rank is on it
                 else:  # NCCL: every rank stops, joins, resumes
