@@ -42,7 +42,6 @@ class ExpertHandle:
     kept: torch.Tensor | None
     topk_ids: torch.Tensor
     hidden: torch.Tensor
-    log2phy: torch.Tensor
     pending: PendingExchange | None = None
     out: torch.Tensor | None = None
     traffic: LayerTraffic | None = None
@@ -180,7 +179,7 @@ class RemoteExperts:
             plan = plan_exchange(topk_ids, topk_weights, kept, log2phy, logcnt, placement.slots_per_worker,
                                  placement.num_workers)
         exchange = self._step_exchange
-        handle = ExpertHandle(moe_layer, plan, kept, topk_ids, hidden, log2phy)
+        handle = ExpertHandle(moe_layer, plan, kept, topk_ids, hidden)
         if wait:
             handle.out, handle.traffic = exchange.exchange(index, plan, hidden, placement.epoch, self._kind(index))
         else:
@@ -197,8 +196,8 @@ class RemoteExperts:
             if self._in_flight is handle:
                 self._in_flight = None
             handle.out, handle.traffic = self._step_exchange.receive(pending)
-        self._record(handle.moe_layer, handle.topk_ids, handle.plan, handle.kept, handle.log2phy, handle.traffic,
-                     handle.hidden)
+        self._record(handle.moe_layer, handle.topk_ids, handle.plan, handle.kept, self._tables[handle.moe_layer][0],
+                     handle.traffic, handle.hidden)
         self._moe_seconds += time.perf_counter() - started
         return handle.out
 
