@@ -114,7 +114,6 @@ class Telemetry:
         self._current.combine_s += traffic.exchange_s  # the expert part comes out in end_step
         tokens = self._layer_tokens
         tokens[layer] = tokens.get(layer, 0) + num_tokens  # (a micro-batched step: each half adds its own)
-        self._current.tokens = max(tokens.values())
 
     def begin_step(self, started: float = 0.0) -> None:
         self._current = StepRecord(started=started)
@@ -129,6 +128,8 @@ class Telemetry:
         self._current.expert_s = expert_s
         self._current.combine_s = max(0.0, self._current.combine_s - expert_s)
         self._current.epoch = epoch
+        if self._layer_tokens:  # the step's tokens: a layer's, both halves of a micro-batched step together
+            self._current.tokens = max(self._layer_tokens.values())
         load = np.zeros((self.num_layers, self.num_experts), dtype=np.int64)
         records = self._layer_counts
         if records:
