@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
+import ray
 import torch
 
 from raymoe.cluster.config import parse_cluster_config
@@ -69,3 +72,24 @@ def record_warm_up_then_join(monkeypatch, module, warm_up: str) -> list[str]:
     monkeypatch.setattr(module, warm_up, recorded_warm_up)
     monkeypatch.setattr(module, "make_communicator", recorded_join)
     return events
+
+
+def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.05):
+    """Poll ``condition`` every ``interval_s`` until it returns something true (returned), failing
+    the test after ``timeout_s`` with ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(interval_s)
+
+
+def rank_states(deployment) -> dict:
+    """The controller's rank watch report (actors/rank_watch.py)."""
+    return ray.get(deployment.controller.rank_states.remote(), timeout=30)
+
+
+def by_rank(report: dict) -> dict[str, dict]:
+    return {row["rank"]: row for row in report["ranks"]}

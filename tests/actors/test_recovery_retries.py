@@ -6,6 +6,7 @@ methods), never left to timing."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -16,8 +17,11 @@ import pytest
 import ray
 
 from ep_helpers import GREEDY, cluster_config, prompts, reference_engine
+from ep_helpers import wait_until as _wait_until
 from raymoe.cluster.deploy import RequestFailed, deploy
 from raymoe.moe.placement import PlacementTable
+
+wait_until = functools.partial(_wait_until, interval_s=0.2)  # (each poll reads the controller's status)
 
 TIMEOUT_S = 3.0
 
@@ -30,16 +34,6 @@ def expected(tiny_mixtral_dir):
 
 def counters(deployment) -> dict:
     return deployment.status()["counters"]
-
-
-def wait_until(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.2)
 
 
 class Serving:

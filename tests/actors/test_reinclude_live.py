@@ -13,7 +13,7 @@ import time
 import pytest
 import ray
 
-from ep_helpers import GREEDY, cluster_config, prompts, reference_engine
+from ep_helpers import GREEDY, cluster_config, prompts, reference_engine, wait_until
 from raymoe.cluster.deploy import deploy
 
 TIMEOUT_S = 3.0
@@ -23,16 +23,6 @@ TIMEOUT_S = 3.0
 def expected(tiny_mixtral_dir):
     batch = prompts(40, seed=43)
     return batch, [o.output_token_ids for o in reference_engine(tiny_mixtral_dir).generate(batch, GREEDY)]
-
-
-def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(interval_s)
 
 
 def generated(deployment) -> int:

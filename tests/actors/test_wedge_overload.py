@@ -15,16 +15,20 @@ worker: tests/actors/test_wedged_ranks.py; a SIGSTOPped router: tests/serve/test
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
 import pytest
 import ray
 
-from ep_helpers import cluster_config, prompts, reference_engine
+from ep_helpers import by_rank, cluster_config, prompts, rank_states, reference_engine
+from ep_helpers import wait_until as _wait_until
 from raymoe.actors.rank_watch import BUSY_BOUND_FACTOR, WEDGE_FRACTION
 from raymoe.cluster.deploy import deploy
 from raymoe.engine.sampling_params import SamplingParams
+
+wait_for = functools.partial(_wait_until, interval_s=0.1)  # (each poll is a call to the controller)
 
 TIMEOUT_S = 3.0  # comm.timeout_s
 LIMIT_S = WEDGE_FRACTION * TIMEOUT_S  # comm.wedge_after_s: 2.4 s
@@ -64,24 +68,6 @@ def feed_probe(router) -> None:
         return True
 
     assert ray.get(router.__ray_call__.remote(release), timeout=30)
-
-
-def rank_states(deployment) -> dict:
-    return ray.get(deployment.controller.rank_states.remote(), timeout=30)
-
-
-def by_rank(report: dict) -> dict[str, dict]:
-    return {row["rank"]: row for row in report["ranks"]}
-
-
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(interval_s)
 
 
 def pretend_ranks_are_remote(deployment) -> None:

@@ -13,7 +13,7 @@ import time
 import pytest
 import ray
 
-from ep_helpers import GREEDY, cluster_config, prompts, reference_engine
+from ep_helpers import GREEDY, by_rank, cluster_config, prompts, rank_states, reference_engine, wait_until
 from raymoe.actors.rank_watch import WEDGE_FRACTION
 from raymoe.cluster.deploy import deploy
 from raymoe.engine.sampling_params import SamplingParams
@@ -32,24 +32,6 @@ def expected(tiny_mixtral_dir):
     return batch, [o.output_token_ids for o in reference_engine(tiny_mixtral_dir).generate(batch, LONG)]
 
 
-def rank_states(deployment) -> dict:
-    return ray.get(deployment.controller.rank_states.remote(), timeout=30)
-
-
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(interval_s)
-
-
-def by_rank(report: dict) -> dict[str, dict]:
-    return {row["rank"]: row for row in report["ranks"]}
-
-
 def test_a_frozen_worker_is_reported_wedged_within_the_deadline_and_serving_resumes(ray_session, tiny_mixtral_dir,
                                                                                      expected):
     batch, want = expected
@@ -59,7 +41,7 @@ def test_a_frozen_worker_is_reported_wedged_within_the_deadline_and_serving_resu
     pid = ray.get(deployment.workers[1].info.remote())["pid"]
     try:
         names = {"router 0", "router 1", "worker 0", "worker 1"}
-        wait_for(lambda: set(by_rank(rank_states(deployment))) == names, 60, "the watch sees every rank")
+        wait_until(lambda: set(by_rank(rank_states(deployment))) == names, 60, "the watch sees every rank")
         assert deployment.generate(batch[:2], GREEDY)  # the group serves (short requests)
         states = by_rank(rank_states(deployment))
         assert all(row["state"] in ("serving", "alive") for row in states.values()), states
@@ -75,12 +57,12 @@ def test_a_frozen_worker_is_reported_wedged_within_the_deadline_and_serving_resu
         sent = sum(t["bytes_sent"] for t in deployment.telemetry())
         runner = threading.Thread(target=run)
         runner.start()
-        wait_for(lambda: sum(t["bytes_sent"] for t in deployment.telemetry()) > sent or not runner.is_alive(), 60,
+        wait_until(lambda: sum(t["bytes_sent"] for t in deployment.telemetry()) > sent or not runner.is_alive(), 60,
                  "the batch starts")
         assert runner.is_alive(), "the batch ended before the freeze"
         frozen_at = time.time()
         os.kill(pid, signal.SIGSTOP)
-        report = wait_for(lambda: (lambda r: r if r["wedged"] else None)(rank_states(deployment)),
+        report = wait_until(lambda: (lambda r: r if r["wedged"] else None)(rank_states(deployment)),
                           TIMEOUT_S + 30, "worker 1 reported wedged")
         (wedged,) = report["wedged"]
         detected_s = wedged["time"] - frozen_at
@@ -102,7 +84,7 @@ def test_a_frozen_worker_is_reported_wedged_within_the_deadline_and_serving_resu
         # The restarted worker is seen again and serves; nothing else was declared wedged.
         again = deployment.generate(batch[:4], LONG)
         assert [o.output_token_ids for o in again] == want[:4]
-        report = wait_for(lambda: (lambda r: r if by_rank(r)["worker 1"]["state"] in ("serving", "alive") else None)(
+        report = wait_until(lambda: (lambda r: r if by_rank(r)["worker 1"]["state"] in ("serving", "alive") else None)(
             rank_states(deployment)), 30, "worker 1 serving again")
         assert [w["rank"] for w in report["wedged"]] == ["worker 1"], report["wedged"]
     finally:
