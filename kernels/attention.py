@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -86,20 +87,24 @@ class AttentionMetadata:
                     f"sequence {i}: {new} new of {total} tokens in {len(table)} blocks of {block_size}; "
                     f"need 1 <= new <= total <= blocks * block_size"
                 )
+        # Host integers in numpy (a few small arrays: torch's per-op cost was most of this), then
+        # tensors sharing their memory.
         # Step 1: block tables, padded to the longest.
         width = max(num_blocks)
-        tables = torch.tensor([list(table[:n]) + [0] * (width - n) for table, n in zip(block_tables, num_blocks)],
-                              dtype=torch.int64)
+        tables = np.zeros((len(block_tables), width), dtype=np.int64)
+        for row, table, n in zip(tables, block_tables, num_blocks):
+            row[:n] = table[:n]
         # Step 2: each new token's sequence and position, then its slot.
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)
-        ctx_lens = torch.tensor(context_lens, dtype=torch.int64)
-        if len(query_lens) == sum(query_lens):  # decodes only: token i is sequence i's last
-            seq, positions = torch.arange(len(query_lens)), ctx_lens - 1
+        q_lens = np.array(query_lens, dtype=np.int64)
+        ctx_lens = np.array(context_lens, dtype=np.int64)
+        if len(query_lens) == int(q_lens.sum()):  # decodes only: token i is sequence i's last
+            seq, positions = np.arange(len(query_lens)), ctx_lens - 1
         else:
-            seq = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # [T]
-            first_row = torch.cumsum(q_lens, 0) - q_lens
-            positions = torch.arange(seq.shape[0]) - first_row[seq] + (ctx_lens - q_lens)[seq]  # [T]
+            seq = np.repeat(np.arange(len(query_lens)), q_lens)  # [T]
+            first_row = np.cumsum(q_lens) - q_lens
+            positions = np.arange(seq.shape[0]) - first_row[seq] + (ctx_lens - q_lens)[seq]  # [T]
         slots = tables[seq, positions // block_size] * block_size + positions % block_size
+        q_lens, ctx_lens, tables, slots = (torch.from_numpy(a) for a in (q_lens, ctx_lens, tables, slots))
         return cls(query_lens=q_lens, context_lens=ctx_lens, block_tables=tables, slot_mapping=slots)
 
 
@@ -173,20 +178,21 @@ class SdpaAttention:
                                and spec.value_dim % 16 == 0 and native[dtype]() is None)
 
     def plan(self, metadata: AttentionMetadata, block_size: int) -> "SdpaStep":
+        # Host integers in numpy: a few small arrays, where torch's per-op cost (~4 us each, some
+        # 25 ops) was 0.12-0.2 ms of a decode step at 1-32 sequences.
         window = self.spec.sliding_window
-        q_lens, ctx_lens = metadata.query_lens.cpu(), metadata.context_lens.cpu()
-        first_key = ctx_lens - q_lens - window + 1 if window else torch.zeros_like(ctx_lens)
-        first_key = first_key.clamp(min=0)
+        q_lens, ctx_lens = metadata.query_lens.cpu().numpy(), metadata.context_lens.cpu().numpy()
+        first_key = np.maximum(ctx_lens - q_lens - window + 1, 0) if window else np.zeros_like(ctx_lens)
         first_block = first_key // block_size
         last_block = (ctx_lens - 1) // block_size
         # A sequence's visible blocks are one run when no step between them breaks the +1 chain.
-        tables = metadata.block_tables.cpu()
-        breaks = torch.cat([torch.zeros(tables.shape[0], 1, dtype=torch.int64),
-                            (tables[:, 1:] - tables[:, :-1] != 1).long().cumsum(1)], dim=1)  # [B, max_blocks]
-        rows = torch.arange(tables.shape[0])
+        tables = metadata.block_tables.cpu().numpy()
+        breaks = np.zeros(tables.shape, dtype=np.int64)  # [B, max_blocks]
+        np.cumsum(tables[:, 1:] - tables[:, :-1] != 1, axis=1, out=breaks[:, 1:])
+        rows = np.arange(tables.shape[0])
         consecutive = breaks[rows, last_block] == breaks[rows, first_block]
         starts = tables[rows, first_block]
-        first_rows = torch.cumsum(q_lens, 0) - q_lens
+        first_rows = np.cumsum(q_lens) - q_lens
         spans = [
             _Span(row, new, key, total, i, block, start if run else None)
             for i, (row, new, key, total, block, start, run) in enumerate(zip(
@@ -212,9 +218,10 @@ class _DecodeBatch:
     counts: torch.Tensor  # [Bd] int64: how many keys each sees (the first of its row of slots)
 
     @classmethod
-    def plan(cls, spans: list[_Span], tables: torch.Tensor, block_size: int,
+    def plan(cls, spans: list[_Span], tables: np.ndarray, block_size: int,
              device: torch.device, least: int = 2) -> "_DecodeBatch | None":
-        """The step's decodes as one batch, if there are at least ``least`` and their padding is bounded."""
+        """The step's decodes as one batch, if there are at least ``least`` and their padding is
+        bounded (``tables``: the block tables on the host)."""
         decodes = [span for span in spans if span.num_new == 1]
         if len(decodes) < least:
             return None
@@ -222,15 +229,15 @@ class _DecodeBatch:
         num_keys = max(counts)
         if num_keys > DECODE_BATCH_MAX_KEYS or len(decodes) * num_keys > DECODE_BATCH_MAX_PADDING * sum(counts):
             return None
-        first = torch.tensor([span.first_key for span in decodes]).unsqueeze(1)  # [Bd, 1]
-        count = torch.tensor(counts).unsqueeze(1)
-        offset = torch.arange(num_keys).unsqueeze(0)  # [1, Tk]
-        visible = offset < count
-        position = first + torch.where(visible, offset, 0)  # padding repeats the first key
-        seqs = torch.tensor([span.seq for span in decodes]).unsqueeze(1)
+        first = np.array([span.first_key for span in decodes], dtype=np.int64)[:, None]  # [Bd, 1]
+        count = np.array(counts, dtype=np.int64)
+        offset = np.arange(num_keys, dtype=np.int64)[None, :]  # [1, Tk]
+        position = first + np.where(offset < count[:, None], offset, 0)  # padding repeats the first key
+        seqs = np.array([span.seq for span in decodes], dtype=np.int64)[:, None]
         slots = tables[seqs, position // block_size] * block_size + position % block_size  # [Bd, Tk]
-        rows = torch.tensor([span.first_row for span in decodes])
-        return cls(rows.to(device), slots.reshape(-1).to(device), num_keys, count.reshape(-1).to(device))
+        rows = np.array([span.first_row for span in decodes], dtype=np.int64)
+        return cls(torch.from_numpy(rows).to(device), torch.from_numpy(slots.reshape(-1)).to(device), num_keys,
+                   torch.from_numpy(count).to(device))
 
     def attend(self, q: torch.Tensor, cache: tuple[torch.Tensor, ...], spec: "AttentionSpec",
                out: torch.Tensor) -> None:
