@@ -76,6 +76,7 @@ BF16_TARGET static inline __m256i f32_to_bf16_ps(__m512 value) { /* 16 lanes of 
 #define ATT_LOAD(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define ATT_STORE(p, v) _mm256_storeu_si256((__m256i *)(p), f32_to_bf16_ps(v))
 #define ATT_TARGET BF16_TARGET
+#define ATT_CONVERT 1
 #include "decode_attention.inc" /* 3. raymoe_bf16_decode_attention: raymoe_decode_attention's twin */
 
 /* s[m * COLS + n] = x[m] . w[n] over k < K, for m < MB rows of x (stride ldx) and n < NB rows of w
