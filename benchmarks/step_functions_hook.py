@@ -1,0 +1,87 @@
+"""Thread-CPU timers around the functions of a decode step, for benchmarks/bench_step_functions.py.
+
+``install()`` wraps each function in ``FUNCTIONS`` (inclusive times: a function's figure holds
+what it calls) and, where ``$RAYMOE_STEP_FUNCTIONS_DIR`` is set, writes the running totals to
+``<dir>/<pid>.json`` every ``DUMP_EVERY`` engine steps. Used two ways: imported and installed in
+the benchmark's own process (the in-process engine), and as Ray's ``worker_process_setup_hook``
+in every actor process (the served router). Nothing in raymoe imports it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+import time
+
+DUMP_EVERY = 32
+FUNCTIONS = [  # module: qualified name (a function of the module or a method of one of its classes)
+    ("raymoe.actors.router", "Router._group_step"),
+    ("raymoe.actors.router", "Router._deliver"),
+    ("raymoe.engine.engine", "LLMEngine.step"),
+    ("raymoe.engine.engine", "LLMEngine._inputs"),
+    ("raymoe.engine.engine", "LLMEngine._postprocess"),
+    ("raymoe.engine.engine", "sample"),
+    ("raymoe.engine.model", "MoEModel.forward"),
+    ("raymoe.engine.model", "MoEModel._gqa"),
+    ("raymoe.engine.model", "MoEModel._route"),
+    ("raymoe.engine.model", "MoEModel.logits"),
+    ("raymoe.engine.experts", "LocalExperts.forward"),
+    ("raymoe.engine.exchange.remote_experts", "RemoteExperts._send"),
+    ("raymoe.engine.exchange.remote_experts", "RemoteExperts._receive"),
+    ("raymoe.engine.exchange.remote_experts", "RemoteExperts._plan_native"),
+    ("raymoe.engine.exchange.remote_experts", "RemoteExperts.complete_step"),
+    ("raymoe.engine.exchange.sides", "RouterExchange.exchange"),
+    ("raymoe.engine.exchange.sides", "RouterExchange._prepare"),
+    ("raymoe.engine.exchange.sides", "RouterExchange._combine"),
+    ("raymoe.engine.exchange.sides", "RouterExchange.read_trailers"),
+    ("raymoe.engine.exchange.native_sides", "NativeRouterExchange._transfer_layer"),
+    ("raymoe.engine.telemetry", "Telemetry.end_step"),
+    ("raymoe.engine.scheduler", "Scheduler.schedule"),
+    ("raymoe.kernels.attention", "SdpaAttention.plan"),
+]
+STEP = "LLMEngine.step"  # a step is counted when this one returns
+totals: dict[str, float] = {}
+steps = [0]
+
+
+def _dump() -> None:
+    directory = os.environ.get("RAYMOE_STEP_FUNCTIONS_DIR")
+    if directory:
+        path = os.path.join(directory, f"{os.getpid()}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"steps": steps[0], "seconds": totals}, f)
+        os.replace(path + ".tmp", path)  # a reader never sees half a file
+
+
+def _timed(name: str, function):
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        started = time.thread_time()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            totals[name] = totals.get(name, 0.0) + time.thread_time() - started
+            if name == STEP:
+                steps[0] += 1
+                if steps[0] % DUMP_EVERY == 0:
+                    _dump()
+    return wrapper
+
+
+def install() -> None:
+    for module_name, qualified in FUNCTIONS:
+        module = importlib.import_module(module_name)
+        *owners, attribute = qualified.split(".")
+        owner = module
+        for name in owners:
+            owner = getattr(owner, name)
+        # (a module function, e.g. engine.sample, is called by its global name: replacing the
+        # module's attribute is what its callers in that module see)
+        setattr(owner, attribute, _timed(qualified, getattr(owner, attribute)))
+
+
+def reset() -> None:
+    totals.clear()
+    steps[0] = 0
