@@ -20,8 +20,6 @@ norms) is the dense part both sides share, and the lines below it show what serv
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import tempfile
 import time
@@ -30,6 +28,7 @@ import ray
 import torch
 
 import step_functions_hook as hook
+from bench_served_phases import read_phases
 from common import build_mixtral, machine_description
 from raymoe.cluster.config import parse_cluster_config
 from raymoe.cluster.deploy import deploy
@@ -71,15 +70,6 @@ def in_process(path: str, counts: list[int], rounds: int) -> dict[int, dict[str,
         os.sched_setaffinity(0, affinity)
 
 
-def read(directory: str) -> dict[int, dict]:
-    out = {}
-    for name in glob.glob(os.path.join(directory, "*.json")):
-        with open(name) as f:
-            data = json.load(f)
-        out[int(os.path.basename(name).split(".")[0])] = data
-    return out
-
-
 def served(path: str, counts: list[int], rounds: int) -> dict[int, dict[str, float]]:
     with tempfile.TemporaryDirectory() as directory:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -95,11 +85,11 @@ def served(path: str, counts: list[int], rounds: int) -> dict[int, dict[str, flo
             for count in counts:
                 deployment.generate(prompts_for(count), PARAMS)  # warm-up
                 time.sleep(0.5)  # its last dump lands
-                before = read(directory).get(router_pid, {"steps": 0, "seconds": {}})
+                before = read_phases(directory).get(router_pid, {"steps": 0, "seconds": {}})
                 for _ in range(rounds):
                     deployment.generate(prompts_for(count), PARAMS)
                 time.sleep(0.5)
-                after = read(directory)[router_pid]
+                after = read_phases(directory)[router_pid]
                 results[count] = per_step(after["steps"] - before["steps"], {
                     name: value - before["seconds"].get(name, 0.0) for name, value in after["seconds"].items()})
             return results

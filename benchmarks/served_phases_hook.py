@@ -35,15 +35,30 @@ def _add(name: str, seconds: float) -> None:
         _totals[name] = _totals.get(name, 0.0) + seconds
 
 
-def _timed(name: str, function):
+def thread_timed(function, record):
+    """``function`` wrapped: after each call, ``record(seconds)`` with the thread-CPU time it took
+    (what it calls included). Also benchmarks/step_functions_hook.py's."""
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         started = time.thread_time()
         try:
             return function(*args, **kwargs)
         finally:
-            _add(name, time.thread_time() - started)
+            record(time.thread_time() - started)
     return wrapper
+
+
+def write_totals(directory: str, steps: int, seconds: dict[str, float]) -> None:
+    """``<directory>/<pid>.json``: this process's step count and totals, replaced whole (a reader
+    never sees half a file; bench_served_phases.py::read_phases reads them)."""
+    path = os.path.join(directory, f"{os.getpid()}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"pid": os.getpid(), "steps": steps, "seconds": seconds}, f)
+    os.replace(path + ".tmp", path)
+
+
+def _timed(name: str, function):
+    return thread_timed(function, lambda seconds: _add(name, seconds))
 
 
 def _dump() -> None:
@@ -51,11 +66,8 @@ def _dump() -> None:
     if not directory:
         return
     with _lock:
-        data = {"pid": os.getpid(), "steps": _state["steps"], "seconds": dict(_totals)}
-    path = os.path.join(directory, f"{os.getpid()}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(data, f)
-    os.replace(path + ".tmp", path)  # a reader never sees half a file
+        steps, seconds = _state["steps"], dict(_totals)
+    write_totals(directory, steps, seconds)
 
 
 def _count_step() -> None:

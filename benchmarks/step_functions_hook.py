@@ -9,11 +9,10 @@ in every actor process (the served router). Nothing in raymoe imports it.
 
 from __future__ import annotations
 
-import functools
 import importlib
-import json
 import os
-import time
+
+from served_phases_hook import thread_timed, write_totals
 
 DUMP_EVERY = 32
 FUNCTIONS = [  # module: qualified name (a function of the module or a method of one of its classes)
@@ -46,28 +45,13 @@ totals: dict[str, float] = {}
 steps = [0]
 
 
-def _dump() -> None:
-    directory = os.environ.get("RAYMOE_STEP_FUNCTIONS_DIR")
-    if directory:
-        path = os.path.join(directory, f"{os.getpid()}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump({"steps": steps[0], "seconds": totals}, f)
-        os.replace(path + ".tmp", path)  # a reader never sees half a file
-
-
-def _timed(name: str, function):
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        started = time.thread_time()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            totals[name] = totals.get(name, 0.0) + time.thread_time() - started
-            if name == STEP:
-                steps[0] += 1
-                if steps[0] % DUMP_EVERY == 0:
-                    _dump()
-    return wrapper
+def _record(name: str, seconds: float) -> None:
+    totals[name] = totals.get(name, 0.0) + seconds
+    if name == STEP:
+        steps[0] += 1
+        directory = os.environ.get("RAYMOE_STEP_FUNCTIONS_DIR")
+        if directory and steps[0] % DUMP_EVERY == 0:
+            write_totals(directory, steps[0], totals)
 
 
 def install() -> None:
@@ -79,7 +63,8 @@ def install() -> None:
             owner = getattr(owner, name)
         # (a module function, e.g. engine.sample, is called by its global name: replacing the
         # module's attribute is what its callers in that module see)
-        setattr(owner, attribute, _timed(qualified, getattr(owner, attribute)))
+        setattr(owner, attribute, thread_timed(getattr(owner, attribute),
+                                               lambda seconds, name=qualified: _record(name, seconds)))
 
 
 def reset() -> None:
