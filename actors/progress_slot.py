@@ -9,7 +9,11 @@ the rank's node, to tell a rank whose Ray calls go unanswered because the machin
 overloaded (its counter advances: ``busy``) from a frozen one (SIGSTOPped: state ``T``), a
 hung one or one spinning with the GIL held (its counter stands still): only those are killed.
 
-The file: 4 words of 8 bytes, native order: ``MAGIC``, the writer's pid, the counter, unused.
+The file: 4 words of 8 bytes, native order: ``MAGIC``, the writer's pid, the counter, and the
+node's ``CLOCK_MONOTONIC`` (ns) at the last tick. One reading thus says how long ago the counter
+last advanced (``age_s``, reckoned on the rank's own node: no clocks are compared across
+machines), where two readings would be needed to see it move: on a loaded node the watch's
+pinned reading task may come back only once within the limit.
 A slot outlives a SIGKILLed process (tmpfs); each new slot removes the slots of processes that
 no longer exist, and the watch removes the slot of a rank it killed.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import time
 from typing import Any
 
 SLOT_DIR = "/dev/shm"
@@ -75,6 +80,7 @@ class ProgressSlot:
             self._words = memoryview(self._map).cast("Q")
             self._words[1] = os.getpid()
             self._words[2] = 0
+            self._words[3] = time.monotonic_ns()
             self._words[0] = MAGIC
             self.path = path
         except (OSError, ValueError):
@@ -86,6 +92,7 @@ class ProgressSlot:
         words = self._words
         if words is not None:
             words[2] = self.count
+            words[3] = time.monotonic_ns()
 
     def close(self) -> None:
         words, self._words = self._words, None
@@ -104,6 +111,12 @@ class ProgressSlot:
 def read_slot(pid: int, directory: str = SLOT_DIR) -> int | None:
     """Rank ``pid``'s counter; None when it has no slot here (another node, no /dev/shm, not a
     rank) or the slot is not its own."""
+    words = _read_words(pid, directory)
+    return None if words is None else words[0]
+
+
+def _read_words(pid: int, directory: str) -> tuple[int, int] | None:
+    """(counter, monotonic ns of its last tick) of rank ``pid``'s slot, or None."""
     try:
         with open(slot_path(pid, directory), "rb") as f:
             data = f.read(SIZE)
@@ -111,10 +124,10 @@ def read_slot(pid: int, directory: str = SLOT_DIR) -> int | None:
         return None
     if len(data) < SIZE:
         return None
-    magic, owner, counter, _ = struct.unpack(f"{WORDS}Q", data)
+    magic, owner, counter, ticked_ns = struct.unpack(f"{WORDS}Q", data)
     if magic != MAGIC or owner != pid:
         return None
-    return counter
+    return counter, ticked_ns
 
 
 def remove_slot(pid: int, directory: str = SLOT_DIR) -> None:
@@ -138,6 +151,13 @@ def process_state(pid: int) -> str | None:
     return chr(stat[end + 2])
 
 
-def sample_progress(pid: int) -> dict[str, Any]:
-    """What the watch reads of a rank on this node: its process state and its counter."""
-    return {"state": process_state(pid), "counter": read_slot(pid)}
+def sample_progress(pid: int, directory: str = SLOT_DIR) -> dict[str, Any]:
+    """What the watch reads of a rank on this node: its process state, its counter and how long
+    ago (seconds, this node's clock) the counter last advanced."""
+    state = process_state(pid)
+    words = _read_words(pid, directory)
+    if words is None:
+        return {"state": state, "counter": None, "age_s": None}
+    counter, ticked_ns = words
+    age_s = max(0.0, (time.monotonic_ns() - ticked_ns) / 1e9) if ticked_ns else None
+    return {"state": state, "counter": counter, "age_s": age_s}

@@ -39,7 +39,8 @@ are compared across machines). Per rank, one of:
 
 The progress slot (actors/progress_slot.py) is a counter each rank's step or serving thread
 bumps in ``/dev/shm`` every turn (a router: every turn of its step loop, idle rounds too; a
-worker: every layer served and every idle tick). For a rank on the watch's own node it is read,
+worker: every layer served and every idle tick), with the node's monotonic time of the bump: one
+reading says how long ago the counter last advanced (reckoned on the rank's node). For a rank on the watch's own node it is read,
 with the process state, every round; for a rank on another node, by a task pinned to that node
 (``NodeAffinitySchedulingStrategy``), one in flight, only while the rank's probe has gone
 unanswered for a third of the limit. There a reading that has not come back by the limit (the
@@ -361,8 +362,13 @@ class RankWatch:
         counter = sample.get("counter")
         if counter is None:
             return
+        advanced_at = None
+        if sample.get("age_s") is not None:  # one reading says when it last advanced (its node's clock)
+            advanced_at = now - sample["age_s"]
         if record.slot_counter is not None and counter != record.slot_counter:
-            record.slot_progress_at = now
+            advanced_at = now
+        if advanced_at is not None and (record.slot_progress_at is None or advanced_at > record.slot_progress_at):
+            record.slot_progress_at = advanced_at
         record.slot_counter = counter
 
     def _verdict(self, record: RankRecord, now: float, silent: float, limit: float) -> tuple[str, str]:

@@ -58,6 +58,7 @@ FAST_TIER = [
     "tests/actors/test_recovery.py::test_a_worker_lost_mid_flight_loses_no_request[no-replicas-killed]",
     "tests/actors/test_router_idle_wait.py::test_a_router_without_work_agrees_at_once_right_after_a_group_step",
     "tests/actors/test_reload_in_place.py::test_a_cycle_takes_one_row_aside",
+    "tests/actors/test_progress_slot.py::test_a_single_reading_decides_busy_or_wedged",
     # serve: HTTP through the openai client
     "tests/serve/test_http.py::test_models_lists_the_served_model",
     "tests/serve/test_http.py::test_greedy_completions_on_token_ids_equal_the_in_process_engine",
