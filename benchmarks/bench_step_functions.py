@@ -70,13 +70,14 @@ def in_process(path: str, counts: list[int], rounds: int) -> dict[int, dict[str,
         os.sched_setaffinity(0, affinity)
 
 
-def served(path: str, counts: list[int], rounds: int) -> dict[int, dict[str, float]]:
+def served(path: str, counts: list[int], rounds: int, one_call: bool = True) -> dict[int, dict[str, float]]:
     with tempfile.TemporaryDirectory() as directory:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         python_path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
         ray.init(address="local", include_dashboard=False, log_to_driver=False, runtime_env={
             "worker_process_setup_hook": "step_functions_hook.install",
-            "env_vars": {"RAYMOE_STEP_FUNCTIONS_DIR": directory, "PYTHONPATH": python_path}})
+            "env_vars": {"RAYMOE_STEP_FUNCTIONS_DIR": directory, "PYTHONPATH": python_path,
+                         "RAYMOE_STEP_FUNCTIONS_PYTHON_LAYERS": "0" if one_call else "1"}})
         deployment = deploy(parse_cluster_config({"model": path, "device": "cpu", "dtype": "float32",
                                                   "routers": 1, "expert_workers": 1}), name="step-functions")
         try:
@@ -102,6 +103,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, nargs="+", default=[1, 32], help="sequences decoding together")
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds of 64 tokens after a warm-up")
+    parser.add_argument("--python-layers-too", action="store_true",
+                        help="also serve with each MoE layer planned in Python around the exchange (the path "
+                             "before one native call per layer), a column of its own")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as path:
         build_mixtral(path)
@@ -109,14 +113,20 @@ def main() -> None:
         hook.install()  # this process: the in-process engine (the actors install it themselves)
         local = in_process(path, args.requests, args.rounds)
         remote = served(path, args.requests, args.rounds)
+        python_layers = served(path, args.requests, args.rounds, one_call=False) if args.python_layers_too else None
     for count in args.requests:
         mine, theirs = local[count], remote[count]
+        other = python_layers[count] if python_layers else {}
         print(f"\n{count} sequence(s): CPU ms per decode step (inclusive), in-process engine vs served router (1x1)")
-        print(f"{'function':<42} {'in-process':>10} {'served':>8} {'served - in-process':>20}")
-        for name in sorted(set(mine) | set(theirs), key=lambda n: -max(mine.get(n, 0.0), theirs.get(n, 0.0))):
-            a, b = mine.get(name), theirs.get(name)
+        extra = f" {'served, Python layers':>22}" if python_layers else ""
+        print(f"{'function':<42} {'in-process':>10} {'served':>8} {'served - in-process':>20}{extra}")
+        names = set(mine) | set(theirs) | set(other)
+        for name in sorted(names, key=lambda n: -max(mine.get(n, 0.0), theirs.get(n, 0.0), other.get(n, 0.0))):
+            a, b, c = mine.get(name), theirs.get(name), other.get(name)
             difference = f"{b - a:20.3f}" if a is not None and b is not None else f"{'':>20}"
-            print(f"{name:<42} {'' if a is None else f'{a:10.3f}':>10} {'' if b is None else f'{b:8.3f}':>8} {difference}")
+            column = (f" {'' if c is None else f'{c:22.3f}':>22}") if python_layers else ""
+            print(f"{name:<42} {'' if a is None else f'{a:10.3f}':>10} {'' if b is None else f'{b:8.3f}':>8} "
+                  f"{difference}{column}")
 
 
 if __name__ == "__main__":

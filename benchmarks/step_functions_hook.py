@@ -2,7 +2,9 @@
 
 ``install()`` wraps each function in ``FUNCTIONS`` (inclusive times: a function's figure holds
 what it calls) and, where ``$RAYMOE_STEP_FUNCTIONS_DIR`` is set, writes the running totals to
-``<dir>/<pid>.json`` every ``DUMP_EVERY`` engine steps. Used two ways: imported and installed in
+``<dir>/<pid>.json`` every ``DUMP_EVERY`` engine steps. With
+``$RAYMOE_STEP_FUNCTIONS_PYTHON_LAYERS=1`` a router plans each MoE layer in Python around the
+exchange instead of the one native call (``RemoteExperts.one_call_layers``). Used two ways: imported and installed in
 the benchmark's own process (the in-process engine), and as Ray's ``worker_process_setup_hook``
 in every actor process (the served router). Nothing in raymoe imports it.
 """
@@ -31,6 +33,8 @@ FUNCTIONS = [  # module: qualified name (a function of the module or a method of
     ("raymoe.engine.exchange.remote_experts", "RemoteExperts._receive"),
     ("raymoe.engine.exchange.remote_experts", "RemoteExperts._plan_native"),
     ("raymoe.engine.exchange.remote_experts", "RemoteExperts.complete_step"),
+    ("raymoe.engine.exchange.remote_experts", "RemoteExperts._moe_layer"),
+    ("raymoe.engine.exchange.native_sides", "NativeRouterExchange.moe_layer"),
     ("raymoe.engine.exchange.sides", "RouterExchange.exchange"),
     ("raymoe.engine.exchange.sides", "RouterExchange._prepare"),
     ("raymoe.engine.exchange.sides", "RouterExchange._combine"),
@@ -55,6 +59,10 @@ def _record(name: str, seconds: float) -> None:
 
 
 def install() -> None:
+    if os.environ.get("RAYMOE_STEP_FUNCTIONS_PYTHON_LAYERS") == "1":  # the router's Python plan around the exchange
+        from raymoe.engine.exchange.remote_experts import RemoteExperts
+
+        RemoteExperts.one_call_layers = False
     for module_name, qualified in FUNCTIONS:
         module = importlib.import_module(module_name)
         *owners, attribute = qualified.split(".")

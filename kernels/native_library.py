@@ -59,6 +59,7 @@ _SIGNATURES = {
     "raymoe_plan_pack": [_P] * 5 + [_I64] * 6 + [_P, _I64] + [_P] * 5,
     "raymoe_worker_layer": [_P, _I64, ctypes.c_int32] + [_P] * 3 + [_I64] * 4 + [_P, _I64] + [_P] * 3 + [_I64] * 5 + [_P],
     "raymoe_router_layer": [_P, _P, _I64, ctypes.c_int32] + [_P] * 4 + [_I64] * 5 + [_P, _I64, _P, _I64, _I64, _P],
+    "raymoe_router_moe_layer": [_P] * 19,
     "raymoe_router_empty_layers": [_P, _I64, ctypes.c_int32, _P, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _P],
     "raymoe_constants": [_P, _P, _I64],
     "raymoe_bf16_linear": [_P, _I64, _P, _I64, ctypes.c_int32, _P, _P] + [_I64] * 4,
@@ -69,7 +70,7 @@ _SIGNATURES = {
 }
 _RETURNS = {name: ctypes.c_int64
             for name in ("raymoe_run_rows", "raymoe_plan_pack", "raymoe_worker_layer", "raymoe_router_layer",
-                         "raymoe_router_empty_layers", "raymoe_constants")}
+                         "raymoe_router_moe_layer", "raymoe_router_empty_layers", "raymoe_constants")}
 # (the others return an int status)
 
 

@@ -14,11 +14,13 @@ either way the communicator is broken (the call stopped partway through the laye
 from __future__ import annotations
 
 import array
+import time
 from concurrent.futures import Executor
 
 import torch
 
 from raymoe.engine.exchange.sides import PendingExchange, RouterExchange, WorkerExchange, WorkerLayerResult
+from raymoe.engine.telemetry import LayerTraffic
 from raymoe.kernels import native_exchange
 from raymoe.kernels.comm.base import Communicator
 from raymoe.kernels.comm.errors import CollectiveMismatch, CommError
@@ -33,10 +35,11 @@ from raymoe.kernels.comm.wire import (
     Status,
     header_width,
     layer_tags,
+    row_bytes,
 )
 
 # (plain ints: read on every layer)
-_DONE, _IDLE, _HEADERS_READ = int(Status.DONE), int(Status.IDLE), int(Status.HEADERS_READ)
+_DONE, _IDLE, _HEADERS_READ, _PLAN = int(Status.DONE), int(Status.IDLE), int(Status.HEADERS_READ), int(Status.PLAN)
 _ROWS, _ASSIGNMENTS, _COMPUTE_NS = int(Info.ROWS), int(Info.ASSIGNMENTS), int(Info.COMPUTE_NS)
 _HEADERS_GIVEN, _HEADERS_ONLY, _FIRST_LAYER = (int(LayerFlag.HEADERS_GIVEN), int(LayerFlag.HEADERS_ONLY),
                                                int(LayerFlag.FIRST_LAYER))
@@ -49,6 +52,8 @@ class NativeRouterExchange(RouterExchange):
                  slots_per_worker: int, top_k: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
         super().__init__(comm, layout, router_index, num_workers, slots_per_worker, top_k, hidden_size, dtype, device)
         self._workers_in_rank_order = array.array("q", self._rank_of_worker)
+        self._scratch: tuple[torch.Tensor, ...] | None = None  # moe_layer's, grown as needed
+        self._scratch_tokens = 0
 
     def _transfer_layer(self, pending: PendingExchange, parts: Part) -> None:
         tag, checksum, _, _ = layer_tags(pending.layer)
@@ -59,6 +64,72 @@ class NativeRouterExchange(RouterExchange):
                 fds, self._workers_in_rank_order, wake, numbers, sent, counts, slot_counts, self.slots_per_worker,
                 pending.epoch, checksum, pending.kind, int(parts), pending.packed, self.format.row_bytes,
                 pending.received, self.combine_row_bytes, timeout_s, info)))
+
+    def moe_layer_applies(self) -> bool:
+        """Whether :meth:`moe_layer` takes this group's layers: every worker of the placement in
+        the group (the rows' order is the workers'), and a sum back per row (float32)."""
+        return self._whole_group and not self.format.per_assignment
+
+    def moe_layer(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor, log2phy: torch.Tensor,
+                  logcnt: torch.Tensor, hidden: torch.Tensor, epoch: int,
+                  kind: int) -> tuple[torch.Tensor, list[int], list[int], LayerTraffic]:
+        """A whole MoE layer in one native call (:meth:`moe_layer_applies`; float32 CPU, no
+        capacity drops, no micro-batches): plan, pack, send, receive and combine, where
+        :meth:`exchange` takes a Python plan and a dozen small tensor calls around its transfer.
+        The messages, the plan and the output's bits are the same (tests/engine/test_ep_native_layer.py).
+        Returns ``(out [T, D], send_counts [W], slot_counts [W*S], traffic)``."""
+        started = time.perf_counter()
+        tokens, k = topk_ids.shape
+        width = hidden.shape[1]
+        workers, slots, n = self.num_workers, self.slots_per_worker, len(self._worker_ranks)
+        ids = topk_ids if topk_ids.dtype == torch.int64 and topk_ids.is_contiguous() else \
+            topk_ids.to(torch.int64).contiguous()
+        weights = topk_weights if topk_weights.dtype == torch.float32 and topk_weights.is_contiguous() else \
+            topk_weights.to(torch.float32).contiguous()
+        hidden = hidden.contiguous()
+        scratch = self._moe_scratch(tokens, k, width, n)
+        counts = torch.empty(workers + workers * slots, dtype=torch.int64)
+        rows = torch.empty(1, dtype=torch.int64)
+        out = torch.empty(tokens, width, dtype=torch.float32)
+        trailers = torch.empty(n, TRAILER_BYTES, dtype=torch.uint8)
+        tag, checksum, _, _ = layer_tags(layer)
+        timeout_s = self.comm.timeout_s
+        info = native_exchange.new_info()
+        status = self.comm.run_native(self._worker_ranks, tag, lambda fds, wake, numbers, sent: (
+            native_exchange.router_moe_layer(
+                array.array("q", (tokens, k, log2phy.shape[0], log2phy.shape[1], slots, workers, width, n, epoch,
+                                  checksum, kind, max(1, int(timeout_s * 1e9)), wake)),
+                ids, weights, log2phy, logcnt, hidden, fds, self._workers_in_rank_order, numbers, sent, counts,
+                rows, out, trailers, scratch, info)))
+        if status != _DONE:
+            if status == _PLAN:  # nothing was sent: the group stays usable
+                raise ValueError("a gate's expert, or the placement's replica or slot for it, is out of range")
+            error = self.comm.native_failure(status, info, self._worker_ranks, tag, timeout_s)
+            raise error if error is not None else ValueError(
+                f"raymoe_router_moe_layer refused its arguments (status {status}): a bug")
+        for position, rank in enumerate(self._worker_ranks):
+            self._trailers.append((layer, rank, trailers[position]))
+        counts = counts.tolist()
+        send_counts, slot_counts = counts[:workers], counts[workers:]
+        num_rows = int(rows[0])
+        traffic = LayerTraffic(rows_per_worker=send_counts,
+                               bytes_sent=self._headers_bytes + num_rows * self.format.row_bytes,
+                               bytes_received=num_rows * self.combine_row_bytes + n * TRAILER_BYTES,
+                               dispatch_s=0.0, exchange_s=time.perf_counter() - started)
+        return out, send_counts, slot_counts, traffic
+
+    def _moe_scratch(self, tokens: int, k: int, width: int, n: int) -> tuple[torch.Tensor, ...]:
+        """:meth:`moe_layer`'s scratch (slot, row_token, packed, received), grown to the largest
+        batch seen and kept (a decode step's layers reuse it)."""
+        scratch = self._scratch
+        if scratch is None or self._scratch_tokens < tokens:
+            self._scratch_tokens = max(tokens, 1)
+            most = max(tokens, 1) * self.num_workers
+            scratch = self._scratch = (
+                torch.empty(max(tokens, 1) * k, dtype=torch.int64), torch.empty(most, dtype=torch.int64),
+                torch.empty(most * row_bytes(width, k), dtype=torch.uint8),
+                torch.empty(max(tokens, 1) * n * width * 4 + n * TRAILER_BYTES, dtype=torch.uint8))
+        return scratch
 
     def _exchange_empty(self, layers: range, epoch: int, first_kind: int, tag: str, timeout_s: float) -> torch.Tensor:
         # one native call: no Python wake-up per trailer

@@ -48,6 +48,11 @@ class ExpertHandle:
 
 
 class RemoteExperts:
+    # A whole layer in one native call where it applies (_one_call); False (on the class or an
+    # instance): always the Python plan around the exchange (the same messages and bits:
+    # tests/engine/test_ep_native_layer.py, tests/actors/test_expert_parallel.py).
+    one_call_layers = True
+
     def __init__(self, placement: PlacementTable, top_k: int, capacity: CapacityConfig, telemetry: Telemetry,
                  device: torch.device = torch.device("cpu")):
         self.placement = placement
@@ -134,13 +139,38 @@ class RemoteExperts:
         micro-batch's exchange of this layer goes out empty right after."""
         index = moe_layer * self.micro_batches
         self._check_order(index, moe_layer)
-        handle = self._send(index, moe_layer, hidden, topk_ids, topk_weights)
-        out = self._receive(handle)
+        if self._one_call(hidden, topk_ids):
+            out = self._moe_layer(index, moe_layer, hidden, topk_ids, topk_weights)
+        else:
+            out = self._receive(self._send(index, moe_layer, hidden, topk_ids, topk_weights))
         if self.micro_batches == 2:
             started = time.perf_counter()
             self._step_exchange.exchange_empty(range(index + 1, index + 2), self.placement.epoch)
             self._cursor += 1
             self._moe_seconds += time.perf_counter() - started
+        return out
+
+    def _one_call(self, hidden: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+        """Whether this layer goes in one native call (NativeRouterExchange.moe_layer: float32 on
+        the CPU over the sockets transport, every worker in the group, no capacity drops)."""
+        if not self.one_call_layers or self.capacity.policy is not OverflowPolicy.NONE:
+            return False
+        applies = getattr(self._step_exchange, "moe_layer_applies", None)
+        return (applies is not None and applies() and topk_ids.device.type == "cpu"
+                and native_cpu.plan_applies(hidden))
+
+    def _moe_layer(self, index: int, moe_layer: int, hidden, topk_ids, topk_weights) -> torch.Tensor:
+        """The layer's plan, rows, exchange and combine in one native call; recorded as
+        :meth:`_record` records the others."""
+        started = time.perf_counter()
+        log2phy, logcnt = self._tables[moe_layer]
+        out, _, slot_counts, traffic = self._step_exchange.moe_layer(
+            index, topk_ids, topk_weights, log2phy, logcnt, hidden, self.placement.epoch, self._kind(index))
+        self._cursor += 1
+        self._real = True
+        self.telemetry.record_layer(moe_layer, slot_counts, None, traffic, hidden.shape[1] * hidden.element_size(),
+                                    8 * self.top_k, hidden.shape[0])
+        self._moe_seconds += time.perf_counter() - started
         return out
 
     def start(self, moe_layer: int, micro_batch: int, hidden: torch.Tensor, topk_ids: torch.Tensor,

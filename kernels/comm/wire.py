@@ -214,6 +214,7 @@ class Status(enum.IntEnum):
     ABORTED = -16
     MEMORY = -17
     ARGUMENTS = -18
+    PLAN = -19  # raymoe_router_moe_layer: a gate's expert, or the placement's replica or slot for it, out of range
 
 
 @dataclass(frozen=True)
@@ -246,6 +247,8 @@ STATUSES: dict[Status, StatusFacts] = {
     Status.MEMORY_ROWS: StatusFacts("bug", "ValueError: refused its arguments (out of memory)", "-"),
     Status.MEMORY: StatusFacts("bug", "ValueError: refused its arguments (out of memory)", "-"),
     Status.ARGUMENTS: StatusFacts("bug", "ValueError: refused its arguments", "-"),
+    Status.PLAN: StatusFacts("exchange", "ValueError: a gate's expert, or its replica or slot, out of range "
+                             "(nothing was sent)", "-"),
 }
 
 # The numbers the C side is compiled with (a generated header, kernels/native_library.py) and

@@ -400,3 +400,87 @@ int64_t raymoe_router_empty_layers(
     info[INFO_PEER] = -1;
     return STATUS_DONE;
 }
+
+int64_t raymoe_plan_pack(const int64_t *ids, const float *weights, const uint8_t *kept, const int64_t *log2phy,
+                         const int64_t *logcnt, int64_t T, int64_t k, int64_t E, int64_t R, int64_t S, int64_t W,
+                         const float *hidden, int64_t D, int64_t *slot, int64_t *send_counts, int64_t *slot_counts,
+                         int64_t *row_token, uint8_t *packed);
+
+/* raymoe_router_moe_layer's int64 parameters, in this order */
+enum { MOE_T, MOE_K, MOE_E, MOE_R, MOE_S, MOE_W, MOE_D, MOE_N, MOE_EPOCH, MOE_CHECKSUM, MOE_KIND, MOE_TIMEOUT_NS,
+       MOE_WAKE_FD, MOE_PARAMS };
+
+/* A router's whole MoE layer in one call, where its rows are float32 and a worker sends back one
+ * weighted sum per dispatched row (the exchange's both parts, no micro-batches, no capacity
+ * drops): raymoe_plan_pack's plan and packed rows (cpu_f32.c), raymoe_router_layer's messages to
+ * and from the group's n workers (fds[i], worker index workers[i], rank order: worker order),
+ * then the combine: each token's rows' sums added in float32 in the order they arrived, as
+ * engine/experts.py::combine_partials adds them (a token's only row is copied; a token without
+ * rows gets zeros). p: int64 [MOE_PARAMS]: T, k, E, R, S, W, D, n, epoch, the dispatch tag's
+ * checksum, the first header's kind, the deadline (ns) and the abort wake fd.
+ * Inputs: ids [T][k], weights [T][k] float32, log2phy [E][R], logcnt [E], hidden [T][D].
+ * Outputs: counts [W + W*S] (send counts, then slot counts), rows[0] the rows sent (N), out [T][D],
+ * trailers [n][TRAILER_BYTES] (each worker's, for the caller's checks). Scratch: slot [T*k],
+ * row_token [T*W], packed [T*W][ROW_BYTES(D, k)], received [T*n*D floats]. Returns STATUS_DONE,
+ * STATUS_PLAN (nothing sent), or raymoe_router_layer's statuses with its info. */
+int64_t raymoe_router_moe_layer(
+    const int64_t *p, const int64_t *ids, const float *weights, const int64_t *log2phy, const int64_t *logcnt,
+    const float *hidden, const int32_t *fds, const int64_t *workers, int64_t *recv_numbers, int64_t *send_numbers,
+    int64_t *counts, int64_t *rows, float *out, uint8_t *trailers, int64_t *slot, int64_t *row_token,
+    uint8_t *packed, uint8_t *received, int64_t *info) {
+    const int64_t T = p[MOE_T], k = p[MOE_K], S = p[MOE_S], W = p[MOE_W], D = p[MOE_D], n = p[MOE_N];
+    for (int i = 0; i < INFO_FIELDS; i++) info[i] = 0;
+    info[INFO_PEER] = -1;
+    if (T < 0 || k <= 0 || D <= 0 || n <= 0 || W <= 0) return STATUS_ARGUMENTS;
+    const int64_t N = raymoe_plan_pack(ids, weights, NULL, log2phy, logcnt, T, k, p[MOE_E], p[MOE_R], S, W, hidden,
+                                       D, slot, counts, counts + W, row_token, packed);
+    if (N == -2) return STATUS_MEMORY;
+    if (N < 0) return STATUS_PLAN;
+    rows[0] = N;
+    const int64_t sum_bytes = 4 * D;
+    /* the sums land at the front of `received`, the trailers after them (per worker: its sums,
+     * then its trailer); a separate buffer keeps the sums contiguous for the combine */
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; i++) total += counts[workers[i]];
+    uint8_t *staged = received;
+    int64_t status = raymoe_router_layer(fds, workers, n, (int32_t)p[MOE_WAKE_FD], recv_numbers, send_numbers,
+                                         counts, counts + W, S, p[MOE_EPOCH], p[MOE_CHECKSUM], p[MOE_KIND],
+                                         PART_SEND | PART_RECEIVE, packed, ROW_BYTES(D, k), staged, sum_bytes,
+                                         p[MOE_TIMEOUT_NS], info);
+    if (status != STATUS_DONE) return status;
+    /* each worker's trailer out of the stream, its sums moved down to follow the last worker's */
+    int64_t at = 0, sums = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t size = counts[workers[i]] * sum_bytes;
+        if (sums != at) memmove(staged + sums, staged + at, (size_t)size);
+        memcpy(trailers + i * TRAILER_BYTES, staged + at + size, TRAILER_BYTES);
+        at += size + TRAILER_BYTES;
+        sums += size;
+    }
+    const float *partial = (const float *)staged;
+    if (N == T && total == T) { /* one row a token, in token order (raymoe_plan_pack sends tokens ascending) */
+        int64_t ordered = 1;
+        for (int64_t j = 0; j < N && ordered; j++) ordered = row_token[j] == j;
+        if (ordered) {
+            memcpy(out, partial, sizeof(float) * (size_t)(T * D));
+            return STATUS_DONE;
+        }
+    }
+    uint8_t *seen = calloc((size_t)(T > 0 ? T : 1), 1);
+    if (!seen) return STATUS_MEMORY;
+    for (int64_t j = 0; j < total; j++) {
+        const int64_t t = row_token[j];
+        float *dst = out + t * D;
+        const float *src = partial + j * D;
+        if (!seen[t]) {
+            memcpy(dst, src, sizeof(float) * (size_t)D);
+            seen[t] = 1;
+        } else {
+            for (int64_t d = 0; d < D; d++) dst[d] += src[d];
+        }
+    }
+    for (int64_t t = 0; t < T; t++)
+        if (!seen[t]) memset(out + t * D, 0, sizeof(float) * (size_t)D);
+    free(seen);
+    return STATUS_DONE;
+}

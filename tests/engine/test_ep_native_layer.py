@@ -119,14 +119,16 @@ def worker_weights(workers: int, slots: int, spare: int = 2):
 
 
 def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list[dict],
-                   native_routers: bool | None = None, empty_at_once: bool = False) -> list:
+                   native_routers: bool | None = None, empty_at_once: bool = False, one_call: bool = False) -> list:
     """Every router's outputs of every step and layer (plus the workers' row counts), with the
     workers on the native path or the Python one (the routers too, unless ``native_routers``
     says otherwise). ``steps``: per step the epoch the routers use, each router's token count
     (0: nothing this step) and optionally ``"empty_from"`` (router -> the first layer it sends
     no rows, as a step that stopped part-way), or ``{"idle": True}`` for an idle tick. Layers
     without rows go layer by layer through ``exchange`` with no plan, or, with
-    ``empty_at_once``, all of a step's in one ``exchange_empty`` (the router's step end)."""
+    ``empty_at_once``, all of a step's in one ``exchange_empty`` (the router's step end). With
+    ``one_call`` a native router's layers with rows go through ``moe_layer`` (plan, exchange and
+    combine in one native call) instead of a Python plan and ``exchange``."""
     placement = initial_placement(num_layers=LAYERS, num_experts=EXPERTS, num_workers=num_workers,
                                   strategy="round_robin", redundant_slots_per_worker=1)
     slots = placement.slots_per_worker
@@ -138,8 +140,9 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
     pool = {0: list(range(slots)), 1: staged[:slots]}
     pool_rows = {epoch: (rows, torch.tensor(rows)) for epoch, rows in pool.items()}
     native_routers = native if native_routers is None else native_routers
-    calls = {"worker": 0, "router": 0, "empty": 0}
-    originals = native_exchange.worker_layer, native_exchange.router_layer, native_exchange.router_empty_layers
+    calls = {"worker": 0, "router": 0, "empty": 0, "moe": 0}
+    originals = (native_exchange.worker_layer, native_exchange.router_layer, native_exchange.router_empty_layers,
+                 native_exchange.router_moe_layer)
 
     def counting(side, function):
         def counted(*args, **kwargs):
@@ -165,6 +168,16 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
                 if layer >= empty_from:
                     continue  # sent below, with the step's other layers without rows
                 rows = layer < empty_layer(step, index)  # (0 tokens: never)
+                if rows and one_call:
+                    out, send_counts, slot_counts, traffic = exchange.moe_layer(
+                        layer, ids, gates, torch.tensor(placement.log2phy[layer]),
+                        torch.tensor(placement.logcnt[layer]), hidden, step["epoch"], KIND_STEP)
+                    expected = plan_exchange_on_host(ids, gates, None, placement.log2phy[layer],
+                                                     placement.logcnt[layer], slots, num_workers)
+                    assert (send_counts, slot_counts) == (expected.send_counts, expected.slot_counts)
+                    assert traffic.rows_per_worker == expected.send_counts
+                    outputs.append(out)
+                    continue
                 plan = plan_exchange_on_host(ids, gates, None, placement.log2phy[layer], placement.logcnt[layer],
                                              slots, num_workers) if rows else None
                 out, _ = exchange.exchange(layer, plan, hidden, step["epoch"])
@@ -190,20 +203,25 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
                 served.append((result.rows, result.assignments))
         return served
 
-    native_exchange.worker_layer, native_exchange.router_layer, native_exchange.router_empty_layers = (
-        counting("worker", originals[0]), counting("router", originals[1]), counting("empty", originals[2]))
+    (native_exchange.worker_layer, native_exchange.router_layer, native_exchange.router_empty_layers,
+     native_exchange.router_moe_layer) = (counting("worker", originals[0]), counting("router", originals[1]),
+                                          counting("empty", originals[2]), counting("moe", originals[3]))
     try:
         results = run_threads([lambda i=i: router(i) for i in range(num_routers)]
                               + [lambda p=p: worker(p) for p in range(num_workers)])
     finally:
-        native_exchange.worker_layer, native_exchange.router_layer, native_exchange.router_empty_layers = originals
+        (native_exchange.worker_layer, native_exchange.router_layer, native_exchange.router_empty_layers,
+         native_exchange.router_moe_layer) = originals
         for comm in comms:
             comm.close()
     layers = sum(1 for step in steps if not step.get("idle")) * LAYERS
     assert calls["worker"] == ((layers + len(steps)) * num_workers if native else 0)
     routed = sum(empty_layer(step, r) if empty_at_once else LAYERS
                  for step in steps if not step.get("idle") for r in range(num_routers))
-    assert calls["router"] == (routed if native_routers else 0)
+    with_rows = sum(empty_layer(step, r) for step in steps if not step.get("idle") for r in range(num_routers))
+    one_calls = with_rows if native_routers and one_call else 0
+    assert calls["moe"] == one_calls
+    assert calls["router"] == (routed - one_calls if native_routers else 0)
     at_once = sum(empty_at_once and empty_layer(step, r) < LAYERS
                   for step in steps if not step.get("idle") for r in range(num_routers))
     assert calls["empty"] == (at_once if native_routers else 0)  # one native call per step end
@@ -244,6 +262,39 @@ def test_native_layer_equals_the_python_path_bit_for_bit(routers, workers, nativ
                 assert a.shape == b.shape and torch.equal(a, b)
     assert native[routers:] == python[routers:]  # rows and assignments per layer
     assert any(rows for served in native[routers:] for rows, _ in served)
+
+
+@pytest.mark.parametrize("routers, workers, native_workers", [(1, 1, True), (2, 2, True), (2, 2, False), (1, 3, True)])
+def test_a_layer_in_one_native_call_equals_the_python_plan_and_exchange_bit_for_bit(routers, workers, native_workers):
+    """RemoteExperts' one call per layer (NativeRouterExchange.moe_layer: plan, pack, send,
+    receive, combine) against the Python plan around the exchange: the same sums, bit for bit,
+    the same counts, the same messages (native or Python workers cannot tell), with one router's
+    layers one-call and another's not in the same group."""
+    steps = [{**s, "tokens": (s["tokens"] + [2, 3])[:routers]} if "tokens" in s else s for s in STEPS]
+    if routers == 1:
+        steps = [s for s in steps if s.get("idle") or s["tokens"][0]]
+    one_call = run_deployment(routers, workers, native_workers, steps, True, one_call=True)
+    python = run_deployment(routers, workers, False, steps)
+    for got, expected in zip(one_call[:routers], python[:routers]):
+        assert len(got) == len(expected) > 0
+        for a, b in zip(got, expected):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.shape == b.shape and torch.equal(a, b)
+    assert one_call[routers:] == python[routers:]
+
+
+def test_a_layer_in_one_native_call_refuses_an_expert_out_of_range_and_sends_nothing():
+    comms = sockets_group(2)
+    exchange = router_side(comms[0], GroupLayout(1, (0,)), 0, 1, SLOTS)
+    placement = initial_placement(num_layers=1, num_experts=EXPERTS, num_workers=1, strategy="round_robin")
+    ids = torch.tensor([[0, EXPERTS]])
+    with pytest.raises(ValueError, match="out of range"):
+        exchange.moe_layer(0, ids, torch.rand(1, TOP_K), torch.tensor(placement.log2phy[0]),
+                           torch.tensor(placement.logcnt[0]), torch.randn(1, HIDDEN), 0, KIND_STEP)
+    assert comms[0]._sent[1] == 0 and comms[0]._failure is None  # nothing went out; the group is usable
+    for comm in comms:
+        comm.close()
 
 
 @pytest.mark.parametrize("native_workers, native_routers", [(True, True), (False, False), (True, False)])
