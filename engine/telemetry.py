@@ -80,6 +80,8 @@ class Telemetry:
         self.steps = deque(maxlen=self.capacity)
         self.expert_loads = deque(maxlen=self.capacity)
         self._lock = threading.Lock()
+        self._every_layer = list(range(self.num_layers))  # a step's layers when each ran once, in order
+        self._load_index_of: tuple[np.ndarray, np.ndarray] | None = None  # (phy2log, _load_index of it)
         self.begin_step()
 
     def resize(self, num_slots: int, num_workers: int) -> None:
@@ -134,21 +136,26 @@ class Telemetry:
         records = self._layer_counts
         if records:
             # (a layer appears twice in a micro-batched step, once a half: added up)
-            layers = np.array([layer for layer, _, _, _ in records], dtype=np.intp)
+            layer_list = [layer for layer, _, _, _ in records]
+            every_layer_once = layer_list == self._every_layer
+            layers = None if every_layer_once else np.array(layer_list, dtype=np.intp)
             counts = np.array([slots for _, slots, _, _ in records], dtype=np.int64)  # [Lr, P]
             rows = np.array([per_worker for _, _, per_worker, _ in records], dtype=np.int64).sum(axis=0)  # [W]
-            experts = phy2log[layers]  # a logical expert's tokens: the counts of the slots holding it
-            held = experts >= 0
-            flat = (layers[:, None] * self.num_experts + experts)[held]
-            load = np.bincount(flat, weights=counts[held], minlength=self.num_layers * self.num_experts
-                               ).reshape(self.num_layers, self.num_experts).astype(np.int64)
+            index = self._load_index(phy2log)  # a logical expert's tokens: the counts of the slots holding it
+            flat = index.reshape(-1) if every_layer_once else index[layers].reshape(-1)
+            cells = self.num_layers * self.num_experts
+            load = np.bincount(flat, weights=counts.reshape(-1), minlength=cells + 1)[:cells].reshape(
+                self.num_layers, self.num_experts).astype(np.int64)
             self._current.rows_sent = int(rows.sum())
         dropped_tensors = [dropped.to(torch.int64) for _, _, _, dropped in records if dropped is not None]
         if dropped_tensors:  # the step's one host read of its drop counts
             flat_dropped = np.asarray(torch.cat(dropped_tensors).tolist(), dtype=np.int64).reshape(-1, self.num_workers)
         with self._lock:
             if records:
-                np.add.at(self.slot_tokens, layers, counts)
+                if every_layer_once:
+                    self.slot_tokens += counts
+                else:
+                    np.add.at(self.slot_tokens, layers, counts)
                 self.worker_rows += rows
                 self.worker_bytes_sent += rows * self._row_bytes
                 self.worker_bytes_received += rows * self._row_bytes
@@ -162,6 +169,17 @@ class Telemetry:
             self.expert_loads.append((self.num_steps, load))
             self.num_steps += 1
         self.begin_step()
+
+    def _load_index(self, phy2log: np.ndarray) -> np.ndarray:
+        """``[L, P]``: each physical slot's cell ``layer * E + expert`` in a step's flat ``[L, E]``
+        loads (``L * E`` for an empty slot: counted nowhere), made once per placement."""
+        cached = self._load_index_of
+        if cached is not None and cached[0] is phy2log:
+            return cached[1]
+        layers = np.arange(phy2log.shape[0], dtype=np.intp)[:, None]
+        index = np.where(phy2log >= 0, layers * self.num_experts + phy2log, self.num_layers * self.num_experts)
+        self._load_index_of = (phy2log, index.astype(np.intp))
+        return self._load_index_of[1]
 
     def expert_loads_since(self, cursor: int) -> tuple[int, np.ndarray]:
         """Per-step logical-expert loads of the steps numbered ``>= cursor`` still in the ring.

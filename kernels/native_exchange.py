@@ -83,21 +83,23 @@ def router_layer(fds: array.array, workers: array.array, wake_fd: int, recv_numb
 def router_moe_layer(params: array.array, ids: torch.Tensor, weights: torch.Tensor, log2phy: torch.Tensor,
                      logcnt: torch.Tensor, hidden: torch.Tensor, fds: array.array, workers: array.array,
                      recv_numbers: array.array, send_numbers: array.array, counts: torch.Tensor, rows: torch.Tensor,
-                     out: torch.Tensor, trailers: torch.Tensor, scratch: tuple[torch.Tensor, ...],
+                     out: torch.Tensor, expert_seconds: array.array, scratch: tuple[torch.Tensor, ...],
                      info: array.array) -> int:
     """A router's whole MoE layer in one call (float32 rows, a sum back per row, both parts): the
     plan and packed rows (as kernels/native_cpu.py::plan_pack), :func:`router_layer`'s messages,
     then the combine into ``out [T, D]`` (as engine/experts.py::combine_partials adds).
-    ``params``: int64 T, k, E, R, S, W, D, n, epoch, dispatch checksum, kind, deadline ns, wake fd.
-    ``counts`` int64 [W + W*S] (send, then slot counts), ``rows`` int64 [1] (rows sent) and
-    ``trailers`` uint8 [n, TRAILER_BYTES] come back filled; ``scratch``: slot [T*k], row_token
-    [T*W] int64, packed [T*W*row_bytes], received [T*n*D*4 + n*TRAILER_BYTES] uint8. Returns the
-    status (``PLAN``: nothing was sent); releases the GIL."""
+    ``params``: int64 T, k, E, R, S, W, D, n, epoch, dispatch checksum, kind, deadline ns, wake fd,
+    combine checksum (every worker's trailer is checked against it: ``CHECKSUM`` naming the
+    worker). ``counts`` int64 [W + W*S] (send, then slot counts), ``rows`` int64 [1] (rows sent)
+    and ``expert_seconds`` (float64 [1]: the slowest worker's) come back filled; ``scratch``:
+    slot [T*k], row_token [T*W] int64, packed [T*W*row_bytes], received [T*n*D*4 +
+    n*TRAILER_BYTES] uint8. Returns the status (``PLAN``: nothing was sent); releases the GIL."""
     slot, row_token, packed, received = scratch
     return STATE.library.raymoe_router_moe_layer(
         params.buffer_info()[0], ids.data_ptr(), weights.data_ptr(), log2phy.data_ptr(), logcnt.data_ptr(),
         hidden.data_ptr(), fds.buffer_info()[0], workers.buffer_info()[0], recv_numbers.buffer_info()[0],
-        send_numbers.buffer_info()[0], counts.data_ptr(), rows.data_ptr(), out.data_ptr(), trailers.data_ptr(),
+        send_numbers.buffer_info()[0], counts.data_ptr(), rows.data_ptr(), out.data_ptr(),
+        expert_seconds.buffer_info()[0],
         slot.data_ptr(), row_token.data_ptr(), packed.data_ptr(), received.data_ptr(), info.buffer_info()[0])
 
 

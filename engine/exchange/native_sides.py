@@ -39,7 +39,8 @@ from raymoe.kernels.comm.wire import (
 )
 
 # (plain ints: read on every layer)
-_DONE, _IDLE, _HEADERS_READ, _PLAN = int(Status.DONE), int(Status.IDLE), int(Status.HEADERS_READ), int(Status.PLAN)
+_DONE, _IDLE, _HEADERS_READ = int(Status.DONE), int(Status.IDLE), int(Status.HEADERS_READ)
+_PLAN, _CHECKSUM = int(Status.PLAN), int(Status.CHECKSUM)
 _ROWS, _ASSIGNMENTS, _COMPUTE_NS = int(Info.ROWS), int(Info.ASSIGNMENTS), int(Info.COMPUTE_NS)
 _HEADERS_GIVEN, _HEADERS_ONLY, _FIRST_LAYER = (int(LayerFlag.HEADERS_GIVEN), int(LayerFlag.HEADERS_ONLY),
                                                int(LayerFlag.FIRST_LAYER))
@@ -91,24 +92,26 @@ class NativeRouterExchange(RouterExchange):
         counts = torch.empty(workers + workers * slots, dtype=torch.int64)
         rows = torch.empty(1, dtype=torch.int64)
         out = torch.empty(tokens, width, dtype=torch.float32)
-        trailers = torch.empty(n, TRAILER_BYTES, dtype=torch.uint8)
-        tag, checksum, _, _ = layer_tags(layer)
+        expert_seconds = array.array("d", (0.0,))
+        tag, checksum, combine_tag, combine_checksum = layer_tags(layer)
         timeout_s = self.comm.timeout_s
         info = native_exchange.new_info()
         status = self.comm.run_native(self._worker_ranks, tag, lambda fds, wake, numbers, sent: (
             native_exchange.router_moe_layer(
                 array.array("q", (tokens, k, log2phy.shape[0], log2phy.shape[1], slots, workers, width, n, epoch,
-                                  checksum, kind, max(1, int(timeout_s * 1e9)), wake)),
+                                  checksum, kind, max(1, int(timeout_s * 1e9)), wake, combine_checksum)),
                 ids, weights, log2phy, logcnt, hidden, fds, self._workers_in_rank_order, numbers, sent, counts,
-                rows, out, trailers, scratch, info)))
+                rows, out, expert_seconds, scratch, info)))
         if status != _DONE:
             if status == _PLAN:  # nothing was sent: the group stays usable
                 raise ValueError("a gate's expert, or the placement's replica or slot for it, is out of range")
+            if status == _CHECKSUM:  # a sum of another layer: the ranks called collectives in different orders
+                raise self.comm.mark_broken(CollectiveMismatch(tag=combine_tag, peer=self._worker_ranks[info[0]],
+                                                               world_size=self.layout.world_size))
             error = self.comm.native_failure(status, info, self._worker_ranks, tag, timeout_s)
             raise error if error is not None else ValueError(
                 f"raymoe_router_moe_layer refused its arguments (status {status}): a bug")
-        for position, rank in enumerate(self._worker_ranks):
-            self._trailers.append((layer, rank, trailers[position]))
+        self.checked_expert_s += expert_seconds[0]  # (its trailers are checked: read_trailers adds it)
         counts = counts.tolist()
         send_counts, slot_counts = counts[:workers], counts[workers:]
         num_rows = int(rows[0])

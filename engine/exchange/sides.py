@@ -63,6 +63,7 @@ class RouterExchange(ABC):
         self.comm = comm
         self.slots_per_worker = slots_per_worker
         self._trailers: list[tuple[int, int, torch.Tensor]] = []  # (layer, rank, 16 bytes), read once a step
+        self.checked_expert_s = 0.0  # expert seconds of layers whose trailers were checked already (this step)
         self.layout = layout
         self.router_index = router_index
         self.num_workers = num_workers  # workers of the placement (the group may hold fewer)
@@ -220,8 +221,9 @@ class RouterExchange(ABC):
         """The step's expert seconds (sum over layers of the slowest worker), checking every
         combine's tag; one host read for the whole step."""
         trailers, self._trailers = self._trailers, []
+        checked, self.checked_expert_s = self.checked_expert_s, 0.0
         if not trailers:
-            return 0.0
+            return checked
         raw = torch.stack([t for _, _, t in trailers]).view(torch.int64).tolist()  # [n, 2], one host read
         per_layer: dict[int, float] = {}
         for (layer, rank, _), (second_bits, checksum) in zip(trailers, raw):
@@ -230,7 +232,7 @@ class RouterExchange(ABC):
             if checksum != expected:
                 raise CollectiveMismatch(tag=combine_tag, peer=rank, world_size=self.layout.world_size)
             per_layer[layer] = max(per_layer.get(layer, 0.0), second)
-        return sum(per_layer.values())
+        return checked + sum(per_layer.values())
 
     def idle_tick(self, mark: int = 0) -> None:
         """Tell every worker that no step comes now (in the first layer's place). ``mark``: this

@@ -408,7 +408,7 @@ int64_t raymoe_plan_pack(const int64_t *ids, const float *weights, const uint8_t
 
 /* raymoe_router_moe_layer's int64 parameters, in this order */
 enum { MOE_T, MOE_K, MOE_E, MOE_R, MOE_S, MOE_W, MOE_D, MOE_N, MOE_EPOCH, MOE_CHECKSUM, MOE_KIND, MOE_TIMEOUT_NS,
-       MOE_WAKE_FD, MOE_PARAMS };
+       MOE_WAKE_FD, MOE_COMBINE_CHECKSUM, MOE_PARAMS };
 
 /* A router's whole MoE layer in one call, where its rows are float32 and a worker sends back one
  * weighted sum per dispatched row (the exchange's both parts, no micro-batches, no capacity
@@ -416,17 +416,20 @@ enum { MOE_T, MOE_K, MOE_E, MOE_R, MOE_S, MOE_W, MOE_D, MOE_N, MOE_EPOCH, MOE_CH
  * and from the group's n workers (fds[i], worker index workers[i], rank order: worker order),
  * then the combine: each token's rows' sums added in float32 in the order they arrived, as
  * engine/experts.py::combine_partials adds them (a token's only row is copied; a token without
- * rows gets zeros). p: int64 [MOE_PARAMS]: T, k, E, R, S, W, D, n, epoch, the dispatch tag's
- * checksum, the first header's kind, the deadline (ns) and the abort wake fd.
+ * rows gets zeros). Each worker's trailer is checked here: its combine tag checksum must be
+ * p[MOE_COMBINE_CHECKSUM] (else STATUS_CHECKSUM, info[PEER] the worker's index into fds, info[A]
+ * the checksum got), and the slowest worker's expert seconds come back in expert_seconds[0].
+ * p: int64 [MOE_PARAMS]: T, k, E, R, S, W, D, n, epoch, the dispatch tag's checksum, the first
+ * header's kind, the deadline (ns), the abort wake fd and the combine tag's checksum.
  * Inputs: ids [T][k], weights [T][k] float32, log2phy [E][R], logcnt [E], hidden [T][D].
  * Outputs: counts [W + W*S] (send counts, then slot counts), rows[0] the rows sent (N), out [T][D],
- * trailers [n][TRAILER_BYTES] (each worker's, for the caller's checks). Scratch: slot [T*k],
- * row_token [T*W], packed [T*W][ROW_BYTES(D, k)], received [T*n*D floats]. Returns STATUS_DONE,
- * STATUS_PLAN (nothing sent), or raymoe_router_layer's statuses with its info. */
+ * expert_seconds[0]. Scratch: slot [T*k], row_token [T*W], packed [T*W][ROW_BYTES(D, k)],
+ * received [T*n*D floats + n trailers]. Returns STATUS_DONE, STATUS_PLAN (nothing sent),
+ * STATUS_CHECKSUM, or raymoe_router_layer's statuses with its info. */
 int64_t raymoe_router_moe_layer(
     const int64_t *p, const int64_t *ids, const float *weights, const int64_t *log2phy, const int64_t *logcnt,
     const float *hidden, const int32_t *fds, const int64_t *workers, int64_t *recv_numbers, int64_t *send_numbers,
-    int64_t *counts, int64_t *rows, float *out, uint8_t *trailers, int64_t *slot, int64_t *row_token,
+    int64_t *counts, int64_t *rows, float *out, double *expert_seconds, int64_t *slot, int64_t *row_token,
     uint8_t *packed, uint8_t *received, int64_t *info) {
     const int64_t T = p[MOE_T], k = p[MOE_K], S = p[MOE_S], W = p[MOE_W], D = p[MOE_D], n = p[MOE_N];
     for (int i = 0; i < INFO_FIELDS; i++) info[i] = 0;
@@ -448,15 +451,25 @@ int64_t raymoe_router_moe_layer(
                                          PART_SEND | PART_RECEIVE, packed, ROW_BYTES(D, k), staged, sum_bytes,
                                          p[MOE_TIMEOUT_NS], info);
     if (status != STATUS_DONE) return status;
-    /* each worker's trailer out of the stream, its sums moved down to follow the last worker's */
+    /* each worker's trailer checked and taken out of the stream, its sums moved down to follow
+     * the last worker's */
     int64_t at = 0, sums = 0;
+    double slowest = 0.0;
     for (int64_t i = 0; i < n; i++) {
         const int64_t size = counts[workers[i]] * sum_bytes;
+        struct trailer trailer;
+        memcpy(&trailer, staged + at + size, TRAILER_BYTES);
+        if (trailer.checksum != p[MOE_COMBINE_CHECKSUM]) {
+            info[INFO_PEER] = i;
+            info[INFO_A] = trailer.checksum;
+            return STATUS_CHECKSUM;
+        }
+        if (trailer.seconds > slowest) slowest = trailer.seconds;
         if (sums != at) memmove(staged + sums, staged + at, (size_t)size);
-        memcpy(trailers + i * TRAILER_BYTES, staged + at + size, TRAILER_BYTES);
         at += size + TRAILER_BYTES;
         sums += size;
     }
+    expert_seconds[0] = slowest;
     const float *partial = (const float *)staged;
     if (N == T && total == T) { /* one row a token, in token order (raymoe_plan_pack sends tokens ascending) */
         int64_t ordered = 1;

@@ -509,6 +509,29 @@ def failing_router(worker_does, timeout_s: float = 10.0):
     return failure_of(lambda: exchange.exchange(0, plan, torch.randn(2, HIDDEN), 0), worker_does, comms, 0)
 
 
+def failing_one_call_router(worker_does, timeout_s: float = 10.0):
+    """As :func:`failing_router`, the layer through ``moe_layer`` (plan to combine in one call)."""
+    comms = sockets_group(2, timeout_s)
+    exchange = router_side(comms[0], GroupLayout(1, (0,)), 0, 1, SLOTS)
+    placement = initial_placement(num_layers=1, num_experts=EXPERTS, num_workers=1, strategy="round_robin")
+    return failure_of(lambda: exchange.moe_layer(0, torch.tensor([[0, 3], [1, 2]]), torch.rand(2, TOP_K),
+                                                 torch.tensor(placement.log2phy[0]),
+                                                 torch.tensor(placement.logcnt[0]), torch.randn(2, HIDDEN), 0,
+                                                 KIND_STEP), worker_does, comms, 0)
+
+
+def test_a_sum_with_another_layers_trailer_is_a_mismatch_naming_the_worker():
+    """One call checks each worker's trailer itself (the Python path at the step's end)."""
+    def wrong_trailer(comm):
+        read_rows(comm)
+        sums = torch.zeros(2 * 4 * HIDDEN + 16, dtype=torch.uint8)
+        sums[-16:] = torch.tensor([0, layer_tags(1)[3]], dtype=torch.int64).view(torch.uint8)  # layer 1's combine
+        comm.transfer([(0, sums)], [], tag="sums")
+
+    error, _ = failing_one_call_router(wrong_trailer)
+    assert isinstance(error, CollectiveMismatch) and "rank 1" in str(error) and "layer 0 combine" in str(error)
+
+
 def read_rows(comm):
     """What a worker reads of the router's layer 0: its header and its two rows."""
     header = torch.empty(4 + SLOTS, dtype=torch.int64)
@@ -568,6 +591,7 @@ def test_layers_without_rows_send_every_header_before_the_first_reply():
 # a router's two native calls: (the failing call, what rank 1 reads of it, the tag an error names,
 # the layers its deadline covers: each layer has the communicator's timeout, as layer by layer)
 ROUTER_CALLS = {"one layer": (failing_router, read_rows, "'layer 0 dispatch'", 1),
+                "one call": (failing_one_call_router, read_rows, "'layer 0 dispatch'", 1),
                 "layers without rows": (failing_empty_router, read_empty_headers, "'layers 0-2 dispatch (no rows)'", 3)}
 
 

@@ -40,3 +40,32 @@ def test_a_step_of_layers_adds_up_to_their_counts():
     step = snapshot["steps"][-1]
     assert step["rows_sent"] == 13 and step["tokens"] == 4
     assert abs(step["dispatch_s"] - 0.003) < 1e-12 and abs(step["combine_s"] - (0.012 - 0.003)) < 1e-12
+
+
+def test_halves_of_a_micro_batched_step_and_a_new_placement_add_up_as_the_layers_say():
+    """A micro-batched step records each layer twice (once a half), a step may reach only some
+    layers, and the placement (phy2log) may change between steps: the loads and slot counters
+    are each layer's counts mapped through that step's placement, added up."""
+    first = np.array([[0, 1, 2, 3], [3, 2, 1, 0]])
+    second = np.array([[1, 1, 0, -1], [0, 1, 2, 3]])  # expert 1 replicated in layer 0, slot 3 empty
+    telemetry = Telemetry(num_layers=2, num_slots=4, num_workers=2, num_experts=4)
+    steps = [  # (phy2log, [(layer, slot counts)])
+        (first, [(0, [1, 2, 0, 0]), (0, [0, 1, 1, 0]), (1, [2, 0, 0, 1]), (1, [0, 0, 3, 0])]),  # two halves
+        (first, [(0, [0, 0, 0, 5])]),  # reached layer 0 only
+        (second, [(0, [1, 2, 3, 0]), (1, [4, 0, 0, 1])]),
+    ]
+    expected_loads, slot_tokens = [], np.zeros((2, 4), dtype=np.int64)
+    for phy2log, layers in steps:
+        telemetry.begin_step()
+        load = np.zeros((2, 4), dtype=np.int64)
+        for layer, counts in layers:
+            telemetry.record_layer(layer, counts, None, traffic([1, 1], 10, 5), 64, 16, 2)
+            slot_tokens[layer] += counts
+            for slot, count in enumerate(counts):
+                if phy2log[layer, slot] >= 0:
+                    load[layer, phy2log[layer, slot]] += count
+        telemetry.end_step(dense_s=0.01, expert_s=0.0, epoch=0, phy2log=phy2log)
+        expected_loads.append(load)
+    _, loads = telemetry.expert_loads_since(0)
+    assert (loads == np.stack(expected_loads)).all(), loads
+    assert telemetry.snapshot()["slot_tokens"] == slot_tokens.tolist()
