@@ -26,6 +26,7 @@ FUNCTIONS = [  # module: qualified name (a function of the module or a method of
     ("raymoe.engine.engine", "sample"),
     ("raymoe.engine.model", "MoEModel.forward"),
     ("raymoe.engine.model", "MoEModel._gqa"),
+    ("raymoe.kernels.attention_block", "attention_block"),
     ("raymoe.engine.model", "MoEModel._route"),
     ("raymoe.engine.model", "MoEModel.logits"),
     ("raymoe.engine.experts", "LocalExperts.forward"),

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from raymoe.engine.experts import ExpertBackend
 from raymoe.engine.kv_cache import KVCache
 from raymoe.engine.weights import DenseWeights, GQAWeights, LayerWeights, MLAWeights, MLPWeights
+from raymoe.kernels import attention_block
 from raymoe.kernels.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -60,6 +61,11 @@ def attention_backend(config: ModelConfig, dtype: torch.dtype, device: torch.dev
 
 
 class MoEModel:
+    # Each layer's attention block in one native call where a step allows it (kernels/
+    # attention_block.py); False (on the class or an instance): always the calls one by one
+    # (the same bits: tests/kernels/test_attention_block.py compares the two).
+    one_call_attention = True
+
     def __init__(self, config: ModelConfig, weights: DenseWeights, experts: ExpertBackend):
         self.config = config
         self.weights = weights
@@ -123,10 +129,18 @@ class MoEModel:
         step = attention.plan(metadata, cache.block_size)
         attend = self._mla if config.attention is AttentionKind.MLA else self._gqa
         eps, feed_forward = config.rms_norm_eps, None  # each residual add goes with the norm after it
+        # a step of decodes on a float32 CPU: each layer's attention block in one native call,
+        # the same calls in C (kernels/attention_block.py), the same bits
+        block = (attention_block.plan(config, step, x, cos, sin, metadata.slot_mapping, cache.layer(0),
+                                      self.weights.layers[0]) if self.one_call_attention else None)
         for index, layer in enumerate(self.weights.layers):
-            x, h = add_rms_norm(x, feed_forward, layer.input_norm, eps)
-            attended = attend(h, layer.attention, cos, sin, cache.layer(index), metadata.slot_mapping, step)
-            x, h = add_rms_norm(x, attended, layer.post_attention_norm, eps)
+            if block is not None:
+                x, h = attention_block.attention_block(block, x, feed_forward, layer.input_norm, layer.attention,
+                                                       layer.post_attention_norm, cache.layer(index))
+            else:
+                x, h = add_rms_norm(x, feed_forward, layer.input_norm, eps)
+                attended = attend(h, layer.attention, cos, sin, cache.layer(index), metadata.slot_mapping, step)
+                x, h = add_rms_norm(x, attended, layer.post_attention_norm, eps)
             if layer.dense_mlp is not None:
                 feed_forward = _mlp(h, layer.dense_mlp)
                 continue

@@ -55,6 +55,7 @@ _SIGNATURES = {
     "raymoe_decode_attention": [_P] * 7 + [_I64] * 6 + [ctypes.c_float],
     "raymoe_rms_norm": [_P] * 5 + [_I64] * 2 + [ctypes.c_float],
     "raymoe_rope": [_P, _I64, _P, _P, _P, _I64, _I64, _I64],
+    "raymoe_attention_block": [_P] * 20,
     "raymoe_run_rows": [_P] + [_I64] * 5 + [_P, _P] + [_I64] * 2 + [_P, _P] + [_I64] * 2 + [_P],
     "raymoe_plan_pack": [_P] * 5 + [_I64] * 6 + [_P, _I64] + [_P] * 5,
     "raymoe_worker_layer": [_P, _I64, ctypes.c_int32] + [_P] * 3 + [_I64] * 4 + [_P, _I64] + [_P] * 3 + [_I64] * 5 + [_P],

@@ -23,6 +23,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "raymoe_constants.h" /* generated from the Python side (kernels/native_library.py): CHUNK_ROWS, the
                                 * row format, the statuses */
@@ -299,6 +300,46 @@ __attribute__((target("avx512f"))) int64_t raymoe_run_rows(
     }
     free(count); free(where); free(jobs); free(x); free(y); free(scratch);
     return status == 0 ? total : STATUS_SHAPE;
+}
+
+/* A decoder layer's attention block for a step of decodes only, in one call: the five calls
+ * engine/model.py makes one by one (kernels/attention_block.py), in the same order on the same
+ * buffers, so the same bits:
+ *   s1, h1 = rms_norm(x (+ delta), in_norm)           raymoe_rms_norm
+ *   qkv = h1 Wqkv^T (+ bias)                           raymoe_linear   [T][H*d + 2*Hkv*d]
+ *   qk = rope(q and k heads of qkv)                    raymoe_rope     [T][H + Hkv][d]
+ *   k and v rows into the paged caches at slot_mapping (a copy)
+ *   att = decode attention of q over the caches        raymoe_decode_attention (rows, slots, counts)
+ *   o = att Wo^T                                       raymoe_linear
+ *   sum, h = rms_norm(s1 + o, post_norm)               raymoe_rms_norm
+ * dims: T, D, H, Hkv, d, Kc (keys in a row of `slots`); scalars: eps, scale. scratch: floats
+ * 3*T*D + T*(H + 2*Hkv)*d + T*(H + Hkv)*d + 2*T*H*d. x [T][D], delta [T][D] or NULL, caches
+ * [slots][Hkv][d]. Returns 0, or the first failing kernel's status. */
+int raymoe_attention_block(
+    const float *x, const float *delta, const float *in_norm, const float *qkv_w, const float *qkv_bias,
+    const float *o_w, const float *post_norm, const float *cos, const float *sin, float *k_cache, float *v_cache,
+    const int64_t *slot_mapping, const int64_t *rows, const int64_t *slots, const int64_t *counts, float *sum,
+    float *h, float *scratch, const int64_t *dims, const float *scalars) {
+    const int64_t T = dims[0], D = dims[1], H = dims[2], Hkv = dims[3], d = dims[4], Kc = dims[5];
+    const int64_t Nq = (H + 2 * Hkv) * d, kv = Hkv * d;
+    const float eps = scalars[0], scale = scalars[1];
+    if (T <= 0) return -1;
+    float *s1 = scratch, *h1 = s1 + T * D, *qkv = h1 + T * D, *qk = qkv + T * Nq, *q = qk + T * (H + Hkv) * d;
+    float *att = q + T * H * d, *o = att + T * H * d;
+    int status = raymoe_rms_norm(x, delta, in_norm, s1, h1, T, D, eps);
+    const float *stream = delta ? s1 : x;
+    if (!status) status = raymoe_linear(h1, qkv, qkv_w, qkv_bias, T, D, Nq);
+    if (!status) status = raymoe_rope(qkv, Nq, cos, sin, qk, T, H + Hkv, d);
+    if (status) return status;
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(k_cache + slot_mapping[t] * kv, qk + t * (H + Hkv) * d + H * d, sizeof(float) * (size_t)kv);
+        memcpy(v_cache + slot_mapping[t] * kv, qkv + t * Nq + (H + Hkv) * d, sizeof(float) * (size_t)kv);
+        memcpy(q + t * H * d, qk + t * (H + Hkv) * d, sizeof(float) * (size_t)(H * d));
+    }
+    status = raymoe_decode_attention(q, k_cache, v_cache, rows, slots, counts, att, T, H, Hkv, d, d, Kc, scale);
+    if (!status) status = raymoe_linear(att, o, o_w, NULL, T, H * d, D);
+    if (!status) status = raymoe_rms_norm(stream, o, post_norm, sum, h, T, D, eps);
+    return status;
 }
 
 /* A router's plan and packed rows for one MoE layer (moe/exchange_plan.py's rules, in one call):
