@@ -7,7 +7,9 @@ timers (inclusive: a function's figure holds what it calls):
 
 1. in-process: the engine in this process, on one pinned core, torch on one thread;
 2. served: a 1 router x 1 worker deployment (CPU defaults) on a local Ray whose actor processes
-   install the same hook; the router's figures are read from its process.
+   install the same hook; the router's figures are read from its process, and the expert
+   worker's serving thread's (lines ``worker: ...``, per step it served: its headers, each
+   layer's ``serve_layer`` and the native call inside it) from its own.
 
 Prints CPU ms per decode step for each function on both sides, and the difference. The
 in-process engine runs the experts itself (``LocalExperts.forward``); the router sends them
@@ -82,17 +84,24 @@ def served(path: str, counts: list[int], rounds: int, one_call: bool = True) -> 
                                                   "routers": 1, "expert_workers": 1}), name="step-functions")
         try:
             router_pid = ray.get(deployment.routers[0].info.remote())["pid"]
+            worker_pid = ray.get(deployment.workers[0].info.remote())["pid"]
             results = {}
             for count in counts:
                 deployment.generate(prompts_for(count), PARAMS)  # warm-up
                 time.sleep(0.5)  # its last dump lands
-                before = read_phases(directory).get(router_pid, {"steps": 0, "seconds": {}})
+                before = read_phases(directory)
                 for _ in range(rounds):
                     deployment.generate(prompts_for(count), PARAMS)
                 time.sleep(0.5)
-                after = read_phases(directory)[router_pid]
-                results[count] = per_step(after["steps"] - before["steps"], {
-                    name: value - before["seconds"].get(name, 0.0) for name, value in after["seconds"].items()})
+                after = read_phases(directory)
+                results[count] = {}
+                for pid, prefix in ((router_pid, ""), (worker_pid, "worker: ")):
+                    then, now = before.get(pid, {"steps": 0, "seconds": {}}), after.get(pid)
+                    if now is None or now["steps"] <= then["steps"]:
+                        continue
+                    results[count].update({prefix + name: value for name, value in per_step(
+                        now["steps"] - then["steps"], {name: value - then["seconds"].get(name, 0.0)
+                                                       for name, value in now["seconds"].items()}).items()})
             return results
         finally:
             deployment.shutdown()

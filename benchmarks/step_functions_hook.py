@@ -44,15 +44,19 @@ FUNCTIONS = [  # module: qualified name (a function of the module or a method of
     ("raymoe.engine.telemetry", "Telemetry.end_step"),
     ("raymoe.engine.scheduler", "Scheduler.schedule"),
     ("raymoe.kernels.attention", "SdpaAttention.plan"),
+    # an expert worker's serving thread (its step: one receive_headers of a step's first layer)
+    ("raymoe.engine.exchange.native_sides", "NativeWorkerExchange.receive_headers"),
+    ("raymoe.engine.exchange.native_sides", "NativeWorkerExchange.serve_layer"),
+    ("raymoe.kernels.native_exchange", "worker_layer"),
 ]
-STEP = "LLMEngine.step"  # a step is counted when this one returns
+STEPS = ("LLMEngine.step", "NativeWorkerExchange.receive_headers")  # a step is counted when one returns
 totals: dict[str, float] = {}
 steps = [0]
 
 
 def _record(name: str, seconds: float) -> None:
     totals[name] = totals.get(name, 0.0) + seconds
-    if name == STEP:
+    if name in STEPS:
         steps[0] += 1
         directory = os.environ.get("RAYMOE_STEP_FUNCTIONS_DIR")
         if directory and steps[0] % DUMP_EVERY == 0:
