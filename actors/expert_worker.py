@@ -493,6 +493,7 @@ class ExpertWorker:
         layer in order; the first layer's header may instead be an idle tick, after which the
         copies queued under the marks the routers' ticks carry run (in mark order)."""
         self.pinned_core = pin_current_thread(self.pin_core)
+        viewed, layer_views = None, []
         try:
             with torch.inference_mode():
                 while self.exchange is exchange:
@@ -508,13 +509,15 @@ class ExpertWorker:
                         continue
                     rows, assignments, compute_s = 0, 0, 0.0
                     pool_rows = self.pool_rows  # one placement view for the whole step
+                    if pool_rows is not viewed:  # each layer's view of it, made once per placement
+                        viewed, layer_views = pool_rows, [{epoch: rows_[layer] for epoch, rows_ in pool_rows.items()}
+                                                          for layer in range(self.num_layers)]
                     # A step in two micro-batches has two exchanges a layer (its first header says so).
                     halves = 2 if headers[0][HEADER_KIND] == KIND_SPLIT else 1
                     for index in range(self.num_layers * halves):  # (later headers are read in serve_layer)
                         layer = index // halves
                         result = exchange.serve_layer(index, None if index else headers, self.w13[layer],
-                                                      self.w2[layer],
-                                                      {epoch: rows_[layer] for epoch, rows_ in pool_rows.items()})
+                                                      self.w2[layer], layer_views[layer])
                         rows += result.rows
                         assignments += result.assignments
                         compute_s += result.compute_s

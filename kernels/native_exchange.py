@@ -82,7 +82,7 @@ def router_layer(fds: array.array, workers: array.array, wake_fd: int, recv_numb
 
 def router_moe_layer(params: array.array, ids: torch.Tensor, weights: torch.Tensor, log2phy: torch.Tensor,
                      logcnt: torch.Tensor, hidden: torch.Tensor, fds: array.array, workers: array.array,
-                     recv_numbers: array.array, send_numbers: array.array, counts: torch.Tensor, rows: torch.Tensor,
+                     recv_numbers: array.array, send_numbers: array.array, counts: array.array, rows: array.array,
                      out: torch.Tensor, expert_seconds: array.array, scratch: tuple[torch.Tensor, ...],
                      info: array.array) -> int:
     """A router's whole MoE layer in one call (float32 rows, a sum back per row, both parts): the
@@ -98,7 +98,7 @@ def router_moe_layer(params: array.array, ids: torch.Tensor, weights: torch.Tens
     return STATE.library.raymoe_router_moe_layer(
         params.buffer_info()[0], ids.data_ptr(), weights.data_ptr(), log2phy.data_ptr(), logcnt.data_ptr(),
         hidden.data_ptr(), fds.buffer_info()[0], workers.buffer_info()[0], recv_numbers.buffer_info()[0],
-        send_numbers.buffer_info()[0], counts.data_ptr(), rows.data_ptr(), out.data_ptr(),
+        send_numbers.buffer_info()[0], counts.buffer_info()[0], rows.buffer_info()[0], out.data_ptr(),
         expert_seconds.buffer_info()[0],
         slot.data_ptr(), row_token.data_ptr(), packed.data_ptr(), received.data_ptr(), info.buffer_info()[0])
 

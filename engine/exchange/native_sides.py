@@ -55,6 +55,9 @@ class NativeRouterExchange(RouterExchange):
         self._workers_in_rank_order = array.array("q", self._rank_of_worker)
         self._scratch: tuple[torch.Tensor, ...] | None = None  # moe_layer's, grown as needed
         self._scratch_tokens = 0
+        # moe_layer's outputs besides the sums: counts [W + W*S], rows sent, expert seconds, info
+        self._moe_outputs = (array.array("q", bytes(8 * (num_workers + num_workers * slots_per_worker))),
+                             array.array("q", (0,)), array.array("d", (0.0,)), native_exchange.new_info())
 
     def _transfer_layer(self, pending: PendingExchange, parts: Part) -> None:
         tag, checksum, _, _ = layer_tags(pending.layer)
@@ -89,13 +92,10 @@ class NativeRouterExchange(RouterExchange):
             topk_weights.to(torch.float32).contiguous()
         hidden = hidden.contiguous()
         scratch = self._moe_scratch(tokens, k, width, n)
-        counts = torch.empty(workers + workers * slots, dtype=torch.int64)
-        rows = torch.empty(1, dtype=torch.int64)
+        counts, rows, expert_seconds, info = self._moe_outputs  # (filled by the call; read before the next)
         out = torch.empty(tokens, width, dtype=torch.float32)
-        expert_seconds = array.array("d", (0.0,))
         tag, checksum, combine_tag, combine_checksum = layer_tags(layer)
         timeout_s = self.comm.timeout_s
-        info = native_exchange.new_info()
         status = self.comm.run_native(self._worker_ranks, tag, lambda fds, wake, numbers, sent: (
             native_exchange.router_moe_layer(
                 array.array("q", (tokens, k, log2phy.shape[0], log2phy.shape[1], slots, workers, width, n, epoch,
@@ -164,6 +164,7 @@ class NativeWorkerExchange(WorkerExchange):
         if executor is not None:
             raise ValueError("the native layer runs its experts on the calling thread: no executor")
         super().__init__(comm, layout, slots_per_worker, hidden_size, top_k, dtype, device, executor)
+        self._pool_cache: dict[int, tuple] = {}  # id(pool_rows) -> (pool_rows, epochs, maps): _pool_maps
 
     def receive_headers(self, layer: int, timeout_s: float | None = None) -> list[list[int]] | None:
         headers = self._layer(layer, None, None, None, None, timeout_s)
@@ -194,9 +195,7 @@ class NativeWorkerExchange(WorkerExchange):
             flags |= _HEADERS_ONLY
             epochs, maps = array.array("q"), None
         else:
-            epochs = array.array("q", pool_rows)
-            maps = (pool_rows[epochs[0]][1] if len(epochs) == 1
-                    else torch.stack([pool_rows[epoch][1] for epoch in epochs]))
+            epochs, maps = self._pool_maps(pool_rows)
         timeout_s = comm.timeout_s if timeout_s is None else timeout_s
         info = native_exchange.new_info()
         status = comm.run_native(routers, dispatch_tag, lambda fds, wake, received, sent: native_exchange.worker_layer(
@@ -217,6 +216,21 @@ class NativeWorkerExchange(WorkerExchange):
             # the call stopped partway through the layer's messages: nothing later can follow them
             comm.mark_broken(failure)
         raise error
+
+    def _pool_maps(self, pool_rows: dict[int, tuple[list[int], torch.Tensor]]) -> tuple[array.array, torch.Tensor]:
+        """The epochs served (int64) and their pool rows ``[Ne, S]`` for the native call, made once
+        per ``pool_rows`` (the serving loop passes each layer the same dict while the placement
+        holds; a new placement is a new dict)."""
+        cached = self._pool_cache.get(id(pool_rows))
+        if cached is not None and cached[0] is pool_rows:
+            return cached[1], cached[2]
+        epochs = array.array("q", pool_rows)
+        maps = (pool_rows[epochs[0]][1] if len(epochs) == 1
+                else torch.stack([pool_rows[epoch][1] for epoch in epochs])).contiguous()
+        if len(self._pool_cache) >= 256:  # placements gone by: their dicts are not passed again
+            self._pool_cache.clear()
+        self._pool_cache[id(pool_rows)] = (pool_rows, epochs, maps)
+        return epochs, maps
 
     def _exchange_error(self, status: int, info: array.array, layer: int, flat: array.array, width: int,
                         pool_rows) -> tuple[Exception, CommError]:
