@@ -253,35 +253,34 @@ def test_native_layer_equals_the_python_path_bit_for_bit(routers, workers, nativ
         steps = [s for s in steps if s.get("idle") or s["tokens"][0]]
     native = run_deployment(routers, workers, native_workers, steps, native_routers)
     python = run_deployment(routers, workers, False, steps)
-    assert len(native) == len(python) == routers + workers
-    for got, expected in zip(native[:routers], python[:routers]):
+    assert_same_outputs(native, python, routers, workers)
+
+
+def assert_same_outputs(got_all: list, expected_all: list, routers: int, workers: int) -> None:
+    """Every router's sums bit for bit, and every worker's rows and assignments per layer."""
+    assert len(got_all) == len(expected_all) == routers + workers
+    for got, expected in zip(got_all[:routers], expected_all[:routers]):
         assert len(got) == len(expected) > 0
         for a, b in zip(got, expected):
             assert (a is None) == (b is None)
             if a is not None:
                 assert a.shape == b.shape and torch.equal(a, b)
-    assert native[routers:] == python[routers:]  # rows and assignments per layer
-    assert any(rows for served in native[routers:] for rows, _ in served)
+    assert got_all[routers:] == expected_all[routers:]  # rows and assignments per layer
+    assert any(rows for served in got_all[routers:] for rows, _ in served)
 
 
 @pytest.mark.parametrize("routers, workers, native_workers", [(1, 1, True), (2, 2, True), (2, 2, False), (1, 3, True)])
 def test_a_layer_in_one_native_call_equals_the_python_plan_and_exchange_bit_for_bit(routers, workers, native_workers):
     """RemoteExperts' one call per layer (NativeRouterExchange.moe_layer: plan, pack, send,
     receive, combine) against the Python plan around the exchange: the same sums, bit for bit,
-    the same counts, the same messages (native or Python workers cannot tell), with one router's
-    layers one-call and another's not in the same group."""
-    steps = [{**s, "tokens": (s["tokens"] + [2, 3])[:routers]} if "tokens" in s else s for s in STEPS]
+    the same counts (checked in run_deployment), the same messages (native or Python workers
+    cannot tell)."""
+    steps = [{**s, "tokens": s["tokens"][:routers]} if "tokens" in s else s for s in STEPS]
     if routers == 1:
         steps = [s for s in steps if s.get("idle") or s["tokens"][0]]
     one_call = run_deployment(routers, workers, native_workers, steps, True, one_call=True)
     python = run_deployment(routers, workers, False, steps)
-    for got, expected in zip(one_call[:routers], python[:routers]):
-        assert len(got) == len(expected) > 0
-        for a, b in zip(got, expected):
-            assert (a is None) == (b is None)
-            if a is not None:
-                assert a.shape == b.shape and torch.equal(a, b)
-    assert one_call[routers:] == python[routers:]
+    assert_same_outputs(one_call, python, routers, workers)
 
 
 def test_a_layer_in_one_native_call_refuses_an_expert_out_of_range_and_sends_nothing():
