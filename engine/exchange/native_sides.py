@@ -2,7 +2,10 @@
 kernels/native_exchange.py): float32 CPUs over a transport that lends native code its
 connections (``comm.native_routines``: the sockets transport). The messages, their numbering and
 the errors are engine/exchange/python_sides.py's, so a group may mix the two
-(tests/engine/test_ep_native_layer.py).
+(tests/engine/test_ep_native_layer.py). A router may go further and hand the native side the
+gate's choices instead of a plan (``NativeRouterExchange.moe_layer``): plan, packed rows,
+messages, combine and the trailers' checks in one call (``raymoe_router_moe_layer``), where
+every worker of the placement is in the group.
 
 Legend: R routers, W workers in the group, S a worker's local slots, Ne placement epochs served.
 

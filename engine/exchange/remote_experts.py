@@ -13,6 +13,11 @@ step's headers says ``KIND_SPLIT``, and the engine ping-pongs its two halves
 returns at once, so the router runs the other half's attention while the workers run these
 experts, and :meth:`finish` takes the sums back. A router whose batch does not split (one
 sequence, a scoring forward) runs :meth:`forward`, which sends the other half's exchange empty.
+
+On a float32 CPU over sockets (no capacity drops, every worker in the group) :meth:`forward`
+hands each layer to the native side whole (:meth:`_moe_layer`: plan to combine in one call);
+elsewhere it plans here (numpy or the native planner on a CPU, torch on a GPU) around the
+exchange (:meth:`_send`, :meth:`_receive`), as :meth:`start` and :meth:`finish` always do.
 """
 
 from __future__ import annotations
