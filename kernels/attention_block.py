@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from raymoe.engine.weights import GQAWeights, LayerWeights
 from raymoe.kernels import native_cpu
 from raymoe.kernels.native_library import STATE
 from raymoe.moe.model_config import AttentionKind, ModelConfig, QKNorm
@@ -42,9 +41,10 @@ class BlockStep:
 
 
 def plan(config: ModelConfig, step, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-         slot_mapping: torch.Tensor, cache: tuple[torch.Tensor, ...], layer: LayerWeights) -> BlockStep | None:
+         slot_mapping: torch.Tensor, cache: tuple[torch.Tensor, ...], layer) -> BlockStep | None:
     """The step's shared arguments if its layers' attention blocks go in one call each (``cache``
-    and ``layer``: the first layer's, as every layer's are alike), else None."""
+    and ``layer``: the first layer's engine/weights.py ``LayerWeights``, as every layer's are
+    alike; GQA's weights have a fused ``qkv``), else None."""
     decodes = getattr(step, "decodes", None)
     tokens, hidden = x.shape
     if (decodes is None or getattr(step, "spans", None) or decodes.rows.shape[0] != tokens
@@ -52,7 +52,7 @@ def plan(config: ModelConfig, step, x: torch.Tensor, cos: torch.Tensor, sin: tor
             or config.clip_qkv is not None or native_cpu.unavailable_reason() is not None
             or x.dtype != torch.float32 or x.device.type != "cpu" or len(cache) != 2
             or any(t.dtype != torch.float32 or not t.is_contiguous() for t in cache)
-            or not isinstance(layer.attention, GQAWeights) or not cos.is_contiguous() or not sin.is_contiguous() or cos.shape[-1] != config.head_dim):
+            or getattr(layer.attention, "qkv", None) is None or not cos.is_contiguous() or not sin.is_contiguous() or cos.shape[-1] != config.head_dim):
         return None
     heads, kv_heads, size = config.num_heads, config.num_kv_heads, config.head_dim
     weights = layer.attention
