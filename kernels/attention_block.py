@@ -52,7 +52,8 @@ def plan(config: ModelConfig, step, x: torch.Tensor, cos: torch.Tensor, sin: tor
             or config.clip_qkv is not None or native_cpu.unavailable_reason() is not None
             or x.dtype != torch.float32 or x.device.type != "cpu" or len(cache) != 2
             or any(t.dtype != torch.float32 or not t.is_contiguous() for t in cache)
-            or getattr(layer.attention, "qkv", None) is None or not cos.is_contiguous() or not sin.is_contiguous() or cos.shape[-1] != config.head_dim):
+            or getattr(layer.attention, "qkv", None) is None or not cos.is_contiguous()
+            or not sin.is_contiguous() or cos.shape[-1] != config.head_dim):
         return None
     heads, kv_heads, size = config.num_heads, config.num_kv_heads, config.head_dim
     weights = layer.attention

@@ -129,12 +129,12 @@ class NativeRouterExchange(RouterExchange):
         batch seen and kept (a decode step's layers reuse it)."""
         scratch = self._scratch
         if scratch is None or self._scratch_tokens < tokens:
-            self._scratch_tokens = max(tokens, 1)
-            most = max(tokens, 1) * self.num_workers
+            room = self._scratch_tokens = max(tokens, 1)
+            most = room * self.num_workers
             scratch = self._scratch = (
-                torch.empty(max(tokens, 1) * k, dtype=torch.int64), torch.empty(most, dtype=torch.int64),
+                torch.empty(room * k, dtype=torch.int64), torch.empty(most, dtype=torch.int64),
                 torch.empty(most * row_bytes(width, k), dtype=torch.uint8),
-                torch.empty(max(tokens, 1) * n * width * 4 + n * TRAILER_BYTES, dtype=torch.uint8))
+                torch.empty(room * n * width * 4 + n * TRAILER_BYTES, dtype=torch.uint8))
         return scratch
 
     def _exchange_empty(self, layers: range, epoch: int, first_kind: int, tag: str, timeout_s: float) -> torch.Tensor:
