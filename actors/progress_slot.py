@@ -13,7 +13,7 @@ The file: 4 words of 8 bytes, native order: ``MAGIC``, the writer's pid, the cou
 node's ``CLOCK_MONOTONIC`` (ns) at the last tick. One reading thus says how long ago the counter
 last advanced (``age_s``, reckoned on the rank's own node: no clocks are compared across
 machines), where two readings would be needed to see it move: on a loaded node the watch's
-pinned reading task may come back only once within the limit.
+reader (a SlotReader actor pinned to the rank's node) may answer only once within the limit.
 A slot outlives a SIGKILLed process (tmpfs); each new slot removes the slots of processes that
 no longer exist, and the watch removes the slot of a rank it killed.
 """
@@ -161,3 +161,13 @@ def sample_progress(pid: int, directory: str = SLOT_DIR) -> dict[str, Any]:
     counter, ticked_ns = words
     age_s = max(0.0, (time.monotonic_ns() - ticked_ns) / 1e9) if ticked_ns else None
     return {"state": state, "counter": counter, "age_s": age_s}
+
+
+class SlotReader:
+    """Reads the progress slots of the ranks on its node, for a rank watch on another node: one
+    per node, a Ray actor (``num_cpus=0``) pinned there. An actor, not a task per reading: a task
+    needs a worker process leased (on a loaded node, often a new one started: seconds), the very
+    moment the watch needs the reading; an idle actor's call does not."""
+
+    def sample(self, pid: int) -> dict[str, Any]:
+        return sample_progress(pid)

@@ -22,7 +22,8 @@ are compared across machines). Per rank, one of:
 - ``busy``: Ray's actor table says ALIVE and a probe has had no answer for ``comm.wedge_after_s``
   (below), but the rank's progress slot advanced within that limit: its step thread steps, only
   its calls are starved (a load spike on its machine: the probe needs its call thread and its
-  GIL). Reported with the reason, and not killed: under overload a kill turns a spike into a
+  GIL), or, for a rank on another node, no reading recent enough to tell has come back
+  (undecided). Reported with the reason, and not killed: under overload a kill turns a spike into a
   restart storm. It is killed all the same (as ``wedged``) once its probe has gone unanswered
   for ``BUSY_BOUND_FACTOR`` (5) times the limit (50 s at the defaults): a rank whose calls stay
   unanswered that long cannot take requests, aborts or recovery's calls;
@@ -30,7 +31,8 @@ are compared across machines). Per rank, one of:
   has had no answer for ``comm.wedge_after_s`` (default 0.8 x ``comm.timeout_s``, at most 10 s:
   cluster/config.py), and the rank is not busy: its process is stopped (``T``/``t`` in
   ``/proc/<pid>/stat``), its progress counter has not advanced within the limit (hung, in a call
-  or a collective; spinning with the GIL held), or no counter could be read. The rank is killed
+  or a collective; spinning with the GIL held: a reading shows it standing still for the whole
+  limit), or, on the watch's node, it has no slot to read. The rank is killed
   at once (``ray.kill``, Ray restarts it: ``max_restarts=-1``), so it cannot come back half-way,
   and recovery starts at once (the other ranks need not wait out their exchange deadline),
   treating it as a dead one: a router's requests move to a live router
@@ -40,12 +42,17 @@ are compared across machines). Per rank, one of:
 The progress slot (actors/progress_slot.py) is a counter each rank's step or serving thread
 bumps in ``/dev/shm`` every turn (a router: every turn of its step loop, idle rounds too; a
 worker: every layer served and every idle tick), with the node's monotonic time of the bump: one
-reading says how long ago the counter last advanced (reckoned on the rank's node). For a rank on the watch's own node it is read,
-with the process state, every round; for a rank on another node, by a task pinned to that node
-(``NodeAffinitySchedulingStrategy``), one in flight, only while the rank's probe has gone
-unanswered for a third of the limit. There a reading that has not come back by the limit (the
-node too loaded even for that task) leaves the rank without evidence, and it is judged as
-before the slot: wedged. A rank without a slot (no ``/dev/shm``) is judged the same way.
+reading says how long ago the counter last advanced (reckoned on the rank's node). For a rank on
+the watch's own node it is read, with the process state, every round; for a rank on another node,
+by that node's ``SlotReader`` (an actor pinned there with ``NodeAffinitySchedulingStrategy``,
+started as soon as the watch learns of a rank there), one reading in flight, only while the rank's
+probe has gone unanswered for a third of the limit. A rank is wedged only on evidence: a stopped
+process, or a reading showing its counter stood still for the whole limit. A rank on another node
+whose readings have not come back (its node too loaded even for the reader) or whose last reading
+is too old to tell is undecided: reported ``busy`` and not killed before the busy bound. (CI,
+stops 40 and 41: on the loaded 2-core machine the pinned reading of a stepping router came back
+late or not at all within the limit, and the watch, taking no news as a standing counter, killed
+it.) A rank on this node without a slot (no ``/dev/shm``) is judged by its probe alone: wedged.
 
 ``rank_states()`` returns every rank's row (state, reason, last progress time, seconds since it,
 its process state, its slot's counter and the seconds since it advanced), the wedged ranks found
@@ -67,7 +74,7 @@ from typing import Any
 
 import ray
 
-from raymoe.actors.progress_slot import remove_slot, sample_progress
+from raymoe.actors.progress_slot import SlotReader, remove_slot, sample_progress
 
 PROBE_INTERVAL_S = 0.25  # how often every rank is probed (one probe per rank in flight)
 PROGRESS_EVERY = 4  # a worker's probe is its `info` (steps served) every this many probes
@@ -77,7 +84,7 @@ DEFAULT_DEADLINE_S = 30.0  # comm.timeout_s when the controller was given no gro
 GCS_TIMEOUT_S = 2.0
 WEDGED_KEPT = 32  # wedged ranks remembered for rank_states()
 BUSY_BOUND_FACTOR = 5  # a busy rank (calls unanswered, counter advancing) is killed after this many limits
-REMOTE_SAMPLE_AFTER = 1 / 3  # a rank on another node: its counter is read (a pinned task) from this much of the limit
+REMOTE_SAMPLE_AFTER = 1 / 3  # a rank on another node: its counter is read (its node's SlotReader) from this much of the limit
 STOPPED = frozenset({"T", "t"})  # /proc/<pid>/stat: stopped by a signal, or by a tracer
 STATES = ("serving", "alive", "stalled", "busy", "wedged", "dead")
 HEALTHY = frozenset({"serving", "alive"})  # any other state makes /health answer 503
@@ -106,13 +113,15 @@ class RankRecord:
         self.killed_incarnation: int | None = None
         self.state, self.reason = "alive", ""
         # Its progress slot (actors/progress_slot.py), read without its GIL or its Ray calls: on
-        # this node every round, on another one by a pinned task while its probe is unanswered.
+        # this node every round, on another one by its node's SlotReader while its probe is unanswered.
         self.slot_pid: int | None = None  # the process the readings below are of
         self.slot_counter: int | None = None
         self.slot_progress_at: float | None = None  # monotonic: when the watch saw the counter advance
         self.slot_read_at: float | None = None  # monotonic: the last reading
+        self.slot_still_s: float | None = None  # at the last reading: how long the counter had stood still
+        self.slot_counter_seen_at: float | None = None  # monotonic: the first reading of its current value
         self.proc_state: str | None = None  # /proc/<pid>/stat's state letter at the last reading
-        self.sample_ref: Any = None  # a pinned reading in flight (a rank on another node)
+        self.sample_ref: Any = None  # a reading in flight (a rank on another node: its node's SlotReader)
         self.busy_since: float | None = None  # monotonic: when it was first found busy (this silence)
 
 
@@ -164,7 +173,7 @@ class RankWatch:
         self.wedged: list[dict[str, Any]] = []
         self.spared: list[dict[str, Any]] = []  # busy ranks not killed: each time one was found busy
         self._node_id: str | None = None
-        self._remote_sample: Any = None  # sample_progress as a Ray task (ranks on other nodes)
+        self._readers: dict[str, Any] = {}  # node id -> its SlotReader actor (ranks on other nodes)
         self.last_error: str | None = None  # the last round's failure, if any
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="raymoe-rank-watch", daemon=True)
@@ -282,6 +291,8 @@ class RankWatch:
         record.ray_state, record.incarnation = state, incarnation
         if entry.get("Pid") and (entry.get("Address") or {}).get("NodeID"):
             record.process = (entry["Address"]["NodeID"], int(entry["Pid"]))
+            if record.process[0] != self.node_id():
+                self._reader(record.process[0])  # up before a silence needs it
         if state != "ALIVE":
             record.state, record.reason = "dead", f"Ray reports the actor {state.lower()}"
             record.pending = None  # asked again once it is back
@@ -324,14 +335,14 @@ class RankWatch:
 
     def _read_progress(self, record: RankRecord, now: float, silent: float, limit: float) -> None:
         """Read the rank's progress slot and process state (actors/progress_slot.py): every round
-        for a rank on this node; for one on another node, a task pinned there, only while its
-        probe has gone unanswered for REMOTE_SAMPLE_AFTER of the limit (one in flight)."""
+        for a rank on this node; for one on another node, through that node's SlotReader, only
+        while its probe has gone unanswered for REMOTE_SAMPLE_AFTER of the limit (one in flight)."""
         if record.process is None:
             return
         node, pid = record.process
         if pid != record.slot_pid:  # a new process (incarnation): no readings of it yet
-            record.slot_pid, record.sample_ref, record.slot_counter = pid, None, None
-            record.slot_progress_at, record.slot_read_at, record.proc_state = None, None, None
+            record.slot_pid, record.sample_ref = pid, None
+            self._forget_readings(record)
         if node == self.node_id():
             self._apply_sample(record, now, sample_progress(pid))
             return
@@ -339,63 +350,98 @@ class RankWatch:
             ref, record.sample_ref = record.sample_ref, None
             try:
                 self._apply_sample(record, now, ray.get(ref, timeout=0))
-            except Exception:  # the node or the task failed: no reading this time
-                pass
+            except Exception:  # the reader (or its node) failed: no reading this time, a new reader next
+                self._readers.pop(node, None)
         if record.pending is None:  # answered: the next silence reads afresh (no stale baseline)
-            record.sample_ref, record.slot_counter, record.slot_progress_at = None, None, None
-            record.slot_read_at, record.proc_state = None, None
+            record.sample_ref = None
+            self._forget_readings(record)
             return
         if record.sample_ref is None and silent >= REMOTE_SAMPLE_AFTER * limit:
+            reader = self._reader(node)
+            try:
+                record.sample_ref = None if reader is None else reader.sample.remote(pid)
+            except Exception:  # the reader is gone: the verdict goes without a reading this time
+                self._readers.pop(node, None)
+                record.sample_ref = None
+
+    def _reader(self, node: str) -> Any:
+        """Node ``node``'s SlotReader, started on first need (None if it cannot be: the node is gone).
+        The watch starts one as soon as it learns a rank runs on another node, so that it is up
+        before a silence needs it."""
+        reader = self._readers.get(node)
+        if reader is None:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            if self._remote_sample is None:  # defined once (each definition is exported anew)
-                self._remote_sample = ray.remote(num_cpus=0, max_retries=0)(sample_progress)
             try:
-                record.sample_ref = self._remote_sample.options(
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pid)
-            except Exception:  # the node is gone: the rank's verdict goes without a reading
-                record.sample_ref = None
+                reader = ray.remote(num_cpus=0, max_restarts=0)(SlotReader).options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+            except Exception:
+                return None
+            self._readers[node] = reader
+        return reader
+
+    @staticmethod
+    def _forget_readings(record: RankRecord) -> None:
+        record.slot_counter, record.slot_progress_at, record.slot_read_at = None, None, None
+        record.slot_still_s, record.slot_counter_seen_at, record.proc_state = None, None, None
 
     @staticmethod
     def _apply_sample(record: RankRecord, now: float, sample: dict[str, Any]) -> None:
+        """One reading, collected at ``now``. It says what the counter is and how long it had
+        stood still when read (``age_s``, on the rank's own node); without ``age_s`` the time
+        between the first and the last reading of the same value says it."""
         record.slot_read_at, record.proc_state = now, sample.get("state")
         counter = sample.get("counter")
         if counter is None:
             return
-        advanced_at = None
-        if sample.get("age_s") is not None:  # one reading says when it last advanced (its node's clock)
-            advanced_at = now - sample["age_s"]
-        if record.slot_counter is not None and counter != record.slot_counter:
-            advanced_at = now
+        moved = record.slot_counter is not None and counter != record.slot_counter
+        if moved or record.slot_counter is None:
+            record.slot_counter_seen_at = now
+        advanced_at = now if moved else None
+        if sample.get("age_s") is not None:
+            advanced_at = max(advanced_at or 0.0, now - sample["age_s"])
+            record.slot_still_s = sample["age_s"]
+        else:
+            record.slot_still_s = now - record.slot_counter_seen_at
         if advanced_at is not None and (record.slot_progress_at is None or advanced_at > record.slot_progress_at):
             record.slot_progress_at = advanced_at
         record.slot_counter = counter
 
     def _verdict(self, record: RankRecord, now: float, silent: float, limit: float) -> tuple[str, str]:
-        """("busy" or "wedged", why) for a rank whose probe has gone unanswered past the limit:
-        busy when its progress counter advanced within the limit (and its calls have not been
-        silent for the busy bound), wedged when it is stopped, its counter stands still, or no
-        counter could be read."""
+        """("busy" or "wedged", why) for a rank whose probe has gone unanswered past the limit.
+
+        Wedged only on evidence: its process is stopped; a reading shows its counter stood still
+        for the whole limit; or, on this node, it has no slot to read (judged by its probe alone).
+        Busy when its counter advanced within the limit. A rank on another node whose readings
+        have not come back (that node is loaded too) or whose last reading is too old to tell is
+        undecided: reported busy, not killed. Either way it is killed once its calls have gone
+        unanswered for the busy bound: then it cannot take requests or recovery's calls."""
         if record.proc_state in STOPPED:
             return "wedged", f"its process is stopped (state {record.proc_state} in /proc/<pid>/stat)"
-        if record.slot_counter is None:
-            where = "no reading came back from its node" if record.process is not None \
-                and record.process[0] != self.node_id() else "no progress slot readable"
-            return "wedged", f"its progress counter could not be read ({where})"
+        remote = record.process is not None and record.process[0] != self.node_id()
+        if record.slot_counter is None and not remote:
+            return "wedged", "its progress counter could not be read (no progress slot readable)"
+        bound = self.busy_bound_s()
+        if record.slot_counter is not None and record.slot_still_s is not None and record.slot_still_s >= limit:
+            read_ago = now - (record.slot_read_at or now)
+            stale = f", read {read_ago:.1f} s ago" if read_ago >= 0.05 else ""
+            return "wedged", (f"its progress counter has not advanced for {record.slot_still_s:.1f} s{stale} "
+                              f"(process state {record.proc_state or 'unknown'})")
         since = None if record.slot_progress_at is None else now - record.slot_progress_at
         if since is not None and since <= limit:
-            bound = self.busy_bound_s()
-            if silent > bound:
-                return "wedged", (f"though its progress counter still advances ({since:.1f} s ago), its calls have "
-                                  f"gone unanswered for longer than {bound:.1f} s ({BUSY_BOUND_FACTOR} x the limit): "
-                                  f"it cannot take requests or recovery's calls")
-            return "busy", (f"no answer to a progress probe for {silent:.1f} s (limit {limit:.1f} s), but its "
-                            f"progress counter advanced {since:.1f} s ago (read outside its calls): stepping on "
-                            f"an overloaded machine, not killed; killed if its calls stay unanswered for "
-                            f"{bound:.1f} s")
-        still = "not advanced since the watch began reading it" if since is None \
-            else f"not advanced for {since:.1f} s"
-        return "wedged", f"its progress counter has {still} (process state {record.proc_state or 'unknown'})"
+            evidence = (f"its progress counter advanced {since:.1f} s ago (read outside its calls): stepping on "
+                        f"an overloaded machine")
+        elif record.slot_counter is None:
+            evidence = "no reading of its progress counter has come back from its node yet (loaded too): undecided"
+        else:
+            evidence = (f"its last reading of its progress counter ({now - (record.slot_read_at or now):.1f} s ago) "
+                        f"showed it advancing {record.slot_still_s or 0.0:.1f} s before; no newer reading has come "
+                        f"back from its node (loaded too): undecided")
+        if silent > bound:
+            return "wedged", (f"{evidence}, but its calls have gone unanswered for longer than {bound:.1f} s "
+                              f"({BUSY_BOUND_FACTOR} x the limit): it cannot take requests or recovery's calls")
+        return "busy", (f"no answer to a progress probe for {silent:.1f} s (limit {limit:.1f} s), but {evidence}, "
+                        f"not killed; killed if its calls stay unanswered for {bound:.1f} s")
 
     def _kill(self, record: RankRecord, silent: float) -> None:
         """A wedged rank is killed (Ray restarts it), so that recovery handles it as a dead one."""

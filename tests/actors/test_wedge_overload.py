@@ -159,7 +159,9 @@ def test_a_router_that_steps_while_its_probe_starves_is_busy_not_killed(deployme
     report = wait_for(lambda: (lambda r: r if by_rank(r)["router 0"]["state"] in ("serving", "alive") else None)(
         rank_states(deployment)), 30, "router 0 healthy again once its probe is answered")
     assert not report["wedged"], report["wedged"]
-    assert [s["rank"] for s in report["spared"]] == ["router 0"], report["spared"]
+    # (router 0 alone was spared; on a loaded machine its probe may also have gone unanswered
+    # past the limit before the starving began: one more episode, as busy)
+    assert {s["rank"] for s in report["spared"]} == {"router 0"}, report["spared"]
 
 
 def test_a_busy_router_whose_calls_stay_unanswered_is_killed_at_the_busy_bound(deployment):
