@@ -305,7 +305,7 @@ class LLMEngine:
         positions: list[int] = []
         for sequence, count in zip(sequences, num_new_tokens):
             start = sequence.num_computed
-            input_ids.extend(sequence.token_ids()[start:start + count])
+            input_ids.extend(sequence.tokens(start, start + count))
             positions.extend(range(start, start + count))
         metadata = AttentionMetadata.build(
             num_new_tokens,

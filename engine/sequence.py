@@ -60,6 +60,16 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """``token_ids()[start:stop]`` without building the whole list: a decode step reads one
+        token of each sequence, and a copy of every token a step cost O(length) per sequence."""
+        cut = len(self.prompt_ids)
+        if start >= cut:
+            return self.output_ids[start - cut:stop - cut]
+        if stop <= cut:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[:stop - cut]
+
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
