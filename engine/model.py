@@ -132,7 +132,7 @@ class MoEModel:
         # a step of decodes on a float32 CPU: each layer's attention block in one native call,
         # the same calls in C (kernels/attention_block.py), the same bits
         block = (attention_block.plan(config, step, x, cos, sin, metadata.slot_mapping, cache.layer(0),
-                                      self.weights.layers[0]) if self.one_call_attention else None)
+                                      self.weights.layers) if self.one_call_attention else None)
         for index, layer in enumerate(self.weights.layers):
             if block is not None:
                 x, h = attention_block.attention_block(block, x, feed_forward, layer.input_norm, layer.attention,

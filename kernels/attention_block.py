@@ -41,10 +41,10 @@ class BlockStep:
 
 
 def plan(config: ModelConfig, step, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-         slot_mapping: torch.Tensor, cache: tuple[torch.Tensor, ...], layer) -> BlockStep | None:
-    """The step's shared arguments if its layers' attention blocks go in one call each (``cache``
-    and ``layer``: the first layer's engine/weights.py ``LayerWeights``, as every layer's are
-    alike; GQA's weights have a fused ``qkv``), else None."""
+         slot_mapping: torch.Tensor, cache: tuple[torch.Tensor, ...], layers) -> BlockStep | None:
+    """The step's shared arguments if its layers' attention blocks go in one call each (``cache``:
+    the first layer's; ``layers``: every layer's engine/weights.py ``LayerWeights``, each checked,
+    since the C call takes their pointers as float32; GQA's weights have a fused ``qkv``), else None."""
     decodes = getattr(step, "decodes", None)
     tokens, hidden = x.shape
     if (decodes is None or getattr(step, "spans", None) or decodes.rows.shape[0] != tokens
@@ -52,14 +52,10 @@ def plan(config: ModelConfig, step, x: torch.Tensor, cos: torch.Tensor, sin: tor
             or config.clip_qkv is not None or native_cpu.unavailable_reason() is not None
             or x.dtype != torch.float32 or x.device.type != "cpu" or len(cache) != 2
             or any(t.dtype != torch.float32 or not t.is_contiguous() for t in cache)
-            or getattr(layer.attention, "qkv", None) is None or not cos.is_contiguous()
-            or not sin.is_contiguous() or cos.shape[-1] != config.head_dim):
+            or not cos.is_contiguous() or not sin.is_contiguous() or cos.shape[-1] != config.head_dim):
         return None
     heads, kv_heads, size = config.num_heads, config.num_kv_heads, config.head_dim
-    weights = layer.attention
-    if (hidden % 32 or size % 16 or ((heads + 2 * kv_heads) * size) % 32 or weights.qkv.dtype != torch.float32
-            or weights.o_proj.dtype != torch.float32 or (weights.qkv_bias is not None
-                                                         and weights.qkv_bias.dtype != torch.float32)):
+    if hidden % 32 or size % 16 or ((heads + 2 * kv_heads) * size) % 32 or not all(map(_fits, layers)):
         return None
     rows = decodes.rows
     slots, counts = decodes.slots, decodes.counts
@@ -70,6 +66,14 @@ def plan(config: ModelConfig, step, x: torch.Tensor, cos: torch.Tensor, sin: tor
     return BlockStep(array.array("q", (tokens, hidden, heads, kv_heads, size, decodes.num_keys)),
                      array.array("f", (config.rms_norm_eps, step.spec.scale)),
                      tuple(t.data_ptr() for t in keep), tokens, hidden, scratch, keep)
+
+
+def _fits(layer) -> bool:
+    """Whether one layer's attention weights are what the C call reads: float32, a fused qkv."""
+    weights = layer.attention
+    qkv = getattr(weights, "qkv", None)
+    return (qkv is not None and qkv.dtype == torch.float32 and weights.o_proj.dtype == torch.float32
+            and (weights.qkv_bias is None or weights.qkv_bias.dtype == torch.float32))
 
 
 def attention_block(block: BlockStep, x: torch.Tensor, delta: torch.Tensor | None, input_norm: torch.Tensor,

@@ -6,6 +6,8 @@ blocks. Where the block does not apply (q/k norms: Qwen3-MoE, OLMoE) the model r
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -68,3 +70,33 @@ def test_one_call_equals_the_calls_one_by_one_bit_for_bit(case, tmp_path):
 
 def test_the_model_class_default_is_one_call():
     assert MoEModel.one_call_attention is True
+
+
+
+def test_a_layer_whose_weights_the_call_cannot_read_turns_the_block_off_for_the_step(tmp_path):
+    """The C call takes every layer's weight pointers as float32: one layer in another dtype (here
+    the last one's output projection) must send the step through the calls one by one, not hand
+    the call bf16 bytes read as float32 (plan once checked layer 0 alone). The same decode step's
+    plan arguments, recorded in a float32 run, with and without that one layer changed."""
+    path = write_checkpoint(build_reference_model("mixtral", seed=3), str(tmp_path / "mixtral"))
+    engine = LLMEngine.from_pretrained(path, EngineConfig(dtype="float32", block_size=4))
+    original, seen = attention_block.plan, []
+
+    def recording(*args, **kwargs):
+        block = original(*args, **kwargs)
+        if block is not None:
+            seen.append(args)
+        return block
+
+    attention_block.plan = recording
+    try:
+        engine.generate(prompts(2, 5), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    finally:
+        attention_block.plan = original
+    assert seen, "no decode step planned the block: the control failed"
+    *shared, layers = seen[-1]
+    assert original(*shared, layers) is not None
+    last = layers[-1]
+    bf16 = dataclasses.replace(last, attention=dataclasses.replace(last.attention,
+                                                                   o_proj=last.attention.o_proj.to(torch.bfloat16)))
+    assert original(*shared, [*layers[:-1], bf16]) is None
