@@ -174,6 +174,7 @@ class RankWatch:
         self.spared: list[dict[str, Any]] = []  # busy ranks not killed: each time one was found busy
         self._node_id: str | None = None
         self._readers: dict[str, Any] = {}  # node id -> its SlotReader actor (ranks on other nodes)
+        self._reader_class: Any = None
         self.last_error: str | None = None  # the last round's failure, if any
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="raymoe-rank-watch", daemon=True)
@@ -372,8 +373,10 @@ class RankWatch:
         if reader is None:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+            if self._reader_class is None:  # made once (each ray.remote of a class is exported anew)
+                self._reader_class = ray.remote(num_cpus=0, max_restarts=0)(SlotReader)
             try:
-                reader = ray.remote(num_cpus=0, max_restarts=0)(SlotReader).options(
+                reader = self._reader_class.options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
             except Exception:
                 return None
