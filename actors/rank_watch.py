@@ -45,8 +45,9 @@ worker: every layer served and every idle tick), with the node's monotonic time 
 reading says how long ago the counter last advanced (reckoned on the rank's node). For a rank on
 the watch's own node it is read, with the process state, every round; for a rank on another node,
 by that node's ``SlotReader`` (an actor pinned there with ``NodeAffinitySchedulingStrategy``,
-started as soon as the watch learns of a rank there), one reading in flight, only while the rank's
-probe has gone unanswered for a third of the limit. A rank is wedged only on evidence: a stopped
+started as soon as the watch learns of a rank there, ended once no rank runs there: an actor,
+even one without CPUs, keeps Ray's autoscaler from removing its node), one reading in flight,
+only while the rank's probe has gone unanswered for a third of the limit. A rank is wedged only on evidence: a stopped
 process, or a reading showing its counter stood still for the whole limit. A rank on another node
 whose readings have not come back (its node too loaded even for the reader) or whose last reading
 is too old to tell is undecided: reported ``busy`` and not killed before the busy bound. (CI,
@@ -243,6 +244,7 @@ class RankWatch:
         deadline = self.deadline_s()
         for record in records:
             self._judge(record, work, deadline)
+        self._end_idle_readers(records)
 
     @staticmethod
     def _probe(record: RankRecord) -> list[tuple[str, Any]]:
@@ -382,6 +384,19 @@ class RankWatch:
                 return None
             self._readers[node] = reader
         return reader
+
+    def _end_idle_readers(self, records: list[RankRecord]) -> None:
+        """End the SlotReaders of nodes no rank runs on any more (after a shrink, or a rank
+        restarted elsewhere). An actor keeps its node from counting idle even with num_cpus=0, so
+        a reader left behind would keep Ray's autoscaler from ever removing the node (seen in CI:
+        the expert nodes a shrink freed stayed up)."""
+        used = {record.process[0] for record in records if record.process is not None}
+        for node in [node for node in self._readers if node not in used]:
+            reader = self._readers.pop(node)
+            try:
+                ray.kill(reader, no_restart=True)
+            except Exception:  # gone already, with its node
+                pass
 
     @staticmethod
     def _forget_readings(record: RankRecord) -> None:

@@ -18,6 +18,10 @@ reading the sums and combining them (not the time spent waiting for the worker, 
 CPU). The worker's "transport" is its headers and layer work outside the experts.
 
     python benchmarks/bench_served_phases.py [--requests 1,32] [--tokens 64] [--config 1x1]
+    python benchmarks/bench_served_phases.py --checkpoint DIR --dtype bfloat16 --requests 1 --config 1x2
+
+``--checkpoint`` takes an existing checkpoint instead of the random toy Mixtral: the real-shape
+ones bench_vs_vllm.py builds (``~/.cache/raymoe/real-qwen3-30b-a3b-4l``), in ``--dtype``.
 
 With several workers, a worker phase is the sum over the workers (CPU per step on any core).
 """
@@ -53,7 +57,8 @@ def prompts_for(count: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(4, 512, (PROMPT_TOKENS,), generator=generator).tolist() for _ in range(count)]
 
 
-def in_process_steps(path: str, counts: list[int], tokens: int) -> tuple[dict[int, tuple[float, float]], dict]:
+def in_process_steps(path: str, counts: list[int], tokens: int,
+                     dtype: str = "float32") -> tuple[dict[int, tuple[float, float]], dict]:
     """Per request count: (median decode step ms, median experts ms), on one pinned core; and
     per count the medians of the step's parts (``forward``, ``sample``, ``postprocess``, ms)."""
     affinity = os.sched_getaffinity(0)
@@ -87,7 +92,7 @@ def in_process_steps(path: str, counts: list[int], tokens: int) -> tuple[dict[in
     engine_module.LLMEngine._postprocess = part("postprocess", originals[2])
     details: dict[int, dict[str, float]] = {}
     try:
-        engine = LLMEngine.from_pretrained(path, EngineConfig(dtype="float32"))
+        engine = LLMEngine.from_pretrained(path, EngineConfig(dtype=dtype))
         results = {}
         for count in counts:
             steps, expert_parts, step_parts = [], [], []
@@ -109,6 +114,7 @@ def in_process_steps(path: str, counts: list[int], tokens: int) -> tuple[dict[in
             results[count] = (1e3 * statistics.median(steps), 1e3 * statistics.median(expert_parts))
             details[count] = {name: 1e3 * statistics.median(p.get(name, 0.0) for p in step_parts)
                               for name in ("forward", "sample", "postprocess")}
+        del engine  # (its weights, before the deployment loads its own)
         return results, details
     finally:
         local_experts.LocalExperts.forward = original
@@ -152,6 +158,10 @@ def main() -> None:
     parser.add_argument("--config", default="1x1", help="1xW: one router, W expert workers")
     parser.add_argument("--actor-env", action="append", default=[], metavar="KEY=VALUE",
                         help="an environment variable for the router and worker processes (repeatable), for A/B runs")
+    parser.add_argument("--checkpoint", default=None, metavar="DIR",
+                        help="an existing checkpoint instead of the random toy Mixtral (e.g. a real-shape one)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the dtype both sides serve in (default float32)")
     args = parser.parse_args()
     counts = [int(n) for n in args.requests.split(",")]
     routers, workers = (int(n) for n in args.config.split("x"))
@@ -160,9 +170,12 @@ def main() -> None:
         # the batch (or none of it): "per step" has no single meaning. One router, any workers.
         parser.error(f"--config {args.config}: one router only (1xW); the workers' phases are summed over them")
     with tempfile.TemporaryDirectory() as path, tempfile.TemporaryDirectory() as phases_dir:
-        build_mixtral(path)
-        print(f"machine: {machine_description()}")
-        local, local_parts = in_process_steps(path, counts, args.tokens)
+        if args.checkpoint:
+            path = args.checkpoint
+        else:
+            build_mixtral(path)
+        print(f"machine: {machine_description()}; checkpoint {path}, {args.dtype}")
+        local, local_parts = in_process_steps(path, counts, args.tokens, args.dtype)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_worker_niceness", "0")
         python_path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
@@ -170,7 +183,7 @@ def main() -> None:
             "worker_process_setup_hook": "served_phases_hook.install",
             "env_vars": {"RAYMOE_PHASES_DIR": phases_dir, "PYTHONPATH": python_path,
                          **dict(item.split("=", 1) for item in args.actor_env)}})
-        config = parse_cluster_config({"model": path, "device": "cpu", "dtype": "float32", "routers": routers,
+        config = parse_cluster_config({"model": path, "device": "cpu", "dtype": args.dtype, "routers": routers,
                                        "expert_workers": workers})
         deployment = deploy(config, name=f"phases-{args.config}")
         rows = []

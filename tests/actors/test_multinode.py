@@ -133,3 +133,55 @@ def test_a_node_removed_under_load_loses_no_request(three_nodes, tiny_mixtral_di
         assert recoveries and recoveries[0]["lost_workers"], recoveries
     finally:
         deployment.shutdown()
+
+
+def test_a_shrink_leaves_no_actor_on_the_nodes_it_freed(three_nodes, tiny_mixtral_dir):
+    """An actor keeps its node from counting idle, even with num_cpus=0 (Ray's idle-node rule),
+    so one left on a node a shrink freed keeps Ray's autoscaler from ever removing that node.
+    Seen in CI: the rank watch's SlotReaders (one per node with a rank, actors/rank_watch.py)
+    outlived the workers they read, and the two expert nodes a shrink freed stayed up."""
+    from ray._private.state import actors
+
+    batch = prompts(4, seed=14)
+    expected = [o.output_token_ids for o in reference_engine(tiny_mixtral_dir).generate(batch, GREEDY)]
+    config = cluster_config(tiny_mixtral_dir, expert_workers=3, routers=1,  # 3 + 5 slots: one worker holds all 8
+                            placement={"strategy": "round_robin", "node_strategy": "STRICT_SPREAD",
+                                       "redundant_slots_per_worker": 5},
+                            balancer={"enabled": False})
+    deployment = deploy(config, name="ep-shrink-idle")
+    try:
+        # The watch takes every rank for one on another node (as test_wedge_overload.py does):
+        # it keeps a reader on every node with a rank, wherever Ray put the controller.
+        def pretend_remote(self):
+            self._rank_watch._node_id = "f" * 56
+            return True
+
+        def reader_nodes(self):
+            return sorted(self._rank_watch._readers)
+
+        assert ray.get(deployment.controller.__ray_call__.remote(pretend_remote), timeout=30)
+        nodes = [info["node_id"] for info in ray.get([w.info.remote() for w in deployment.workers])]
+        router_node = ray.get(deployment.routers[0].info.remote())["node_id"]
+        def alive_on(where: set[str]) -> list[str]:
+            return [f"{a.get('ActorClassName')} on {a['Address']['NodeID'][:8]}" for a in actors().values()
+                    if a.get("State") == "ALIVE" and (a.get("Address") or {}).get("NodeID") in where]
+
+        deadline = time.monotonic() + 60  # a reader up on every worker's node (else the test proves nothing)
+        while not (set(nodes) <= set(ray.get(deployment.controller.__ray_call__.remote(reader_nodes)))
+                   and all(f"SlotReader on {node[:8]}" in alive_on({node}) for node in nodes)):
+            assert time.monotonic() < deadline, "the watch started no reader on the workers' nodes"
+            time.sleep(0.2)
+
+        shrunk = deployment.resize(1)
+        assert shrunk["resized"] is True and shrunk["workers"] == 1, shrunk
+        kept = {ray.get(deployment.workers[0].info.remote())["node_id"], router_node}
+        freed = set(nodes) - kept
+        assert freed  # three workers on three nodes, one left: a node the router is not on is free
+        deadline = time.monotonic() + 30
+        while alive_on(freed):
+            assert time.monotonic() < deadline, f"actors still alive on the freed nodes: {alive_on(freed)}"
+            time.sleep(0.2)
+        assert set(ray.get(deployment.controller.__ray_call__.remote(reader_nodes))) <= kept
+        assert [o.output_token_ids for o in deployment.generate(batch, GREEDY)] == expected
+    finally:
+        deployment.shutdown()
