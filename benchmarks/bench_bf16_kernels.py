@@ -11,6 +11,12 @@ One thread each (a router's and a worker's compute thread are pinned to one core
 
     python benchmarks/bench_bf16_kernels.py            # Qwen3-30B-A3B's and Mixtral-8x7B's shapes
     python benchmarks/bench_bf16_kernels.py --quick    # fewer rows and repeats
+    python benchmarks/bench_bf16_kernels.py --split --rows 1 16   # dense layers on 1 thread and on every core
+
+``--split``: the dense layers only, raymoe's kernel on one thread and split over every core this
+process may use (``native_bf16.split_threads``), beside torch's on as many threads: whether a
+router (whose workers wait while it runs its dense layers) gains from the second core, and from
+what size on (``native_bf16.SPLIT_MIN_BYTES``).
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ LINEARS = [
     ("qwen3 qkv", 5120, 2048), ("qwen3 o_proj", 2048, 4096), ("qwen3 lm_head", 151936, 2048),
     ("mixtral qkv", 6144, 4096), ("mixtral lm_head", 32000, 4096),
 ]
+# --split's: the dense layers above, the attention projections apart, and a shared expert's
+COLD_BYTES = 512 << 20
+SPLIT_LINEARS = [("qwen3 q_proj", 4096, 2048), ("qwen3 k_proj", 512, 2048), *LINEARS[:2], ("mixtral o_proj", 4096, 4096),
+                 LINEARS[3], ("qwen2-moe shared w13", 11264, 2048)]
 # (name, experts in the layer, top-k, hidden, intermediate)
 EXPERTS = [("qwen3 experts", 128, 8, 2048, 768), ("mixtral experts", 8, 2, 4096, 14336)]
 
@@ -78,6 +88,42 @@ def bench_linear(name: str, out_features: int, in_features: int, rows: int, repe
             "ms": {label: median_ms(s) for label, s in samples.items()}, "weight_gb": gigabytes}
 
 
+def bench_split(name: str, out_features: int, in_features: int, rows: int, repeats: int) -> dict:
+    """One dense layer: raymoe's kernel (the one this machine runs) on 1 and on N threads, torch's on N."""
+    threads = native_bf16.split_threads()
+    # Copies of the weight, taken in turn, as many as fill COLD_BYTES: a served token reads each
+    # layer's weight from memory (the other layers' pass between), not from the last-level cache.
+    copies = max(1, -(-COLD_BYTES // (out_features * in_features * 2)))
+    weights = [torch.randn(out_features, in_features, dtype=torch.bfloat16) for _ in range(copies)]
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    packed = [torch.ops.mkldnn._reorder_linear_weight(weight, rows) for weight in weights]
+    onednn = torch.ops.mkldnn._linear_pointwise.default
+    turn = [0]
+
+    def next_one(sequence):
+        turn[0] = (turn[0] + 1) % copies
+        return sequence[turn[0]]
+
+    variants = {"raymoe 1 thread": lambda: native_bf16.linear(x, next_one(weights), threads=1),
+                f"raymoe {threads} threads": lambda: native_bf16.linear(x, next_one(weights), threads=threads),
+                f"torch F.linear {threads} threads": lambda: F.linear(x, next_one(weights)),
+                f"oneDNN packed {threads} threads": lambda: onednn(x, next_one(packed), None, "none", [], "")}
+    samples = {label: [] for label in variants}
+    torch.set_num_threads(threads)
+    try:
+        for fn in variants.values():
+            fn()
+        for _ in range(repeats):
+            for label, fn in variants.items():
+                samples[label].extend(timed(fn) for _ in range(copies))
+    finally:
+        torch.set_num_threads(1)
+    ms = {label: median_ms(s) for label, s in samples.items()}
+    return {"case": f"{name} [{out_features}, {in_features}]", "rows": rows, "ms": ms,
+            "weight_gb": weights[0].numel() * 2 / 1e9, "threads": threads,
+            "split_gain": ms["raymoe 1 thread"] / ms[f"raymoe {threads} threads"]}
+
+
 def bench_experts(name: str, experts: int, top_k: int, hidden: int, intermediate: int, rows: int,
                   repeats: int) -> dict:
     w13 = torch.randn(experts, 2 * intermediate, hidden, dtype=torch.bfloat16) * hidden ** -0.5
@@ -113,6 +159,8 @@ def main() -> None:
                         help="rows per call (decode: 1-16; a prefill chunk: 64-256)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="rows 1 16 64, 3 repeats")
+    parser.add_argument("--split", action="store_true",
+                        help="the dense layers on 1 thread and on every core (see above)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "bench_bf16_kernels.json"))
     args = parser.parse_args()
     if args.quick:
@@ -125,6 +173,14 @@ def main() -> None:
     results = []
     try:
         for rows in args.rows:
+            if args.split:
+                for case in SPLIT_LINEARS:
+                    results.append(bench_split(*case, rows, args.repeats))
+                    result = results[-1]
+                    print(f"{result['case']:<40} {result['weight_gb'] * 1e3:6.1f} MB rows {rows:>4}: "
+                          + "  ".join(f"{label} {value:.3f}" for label, value in result["ms"].items())
+                          + f" ms | split {result['split_gain']:.2f}x", flush=True)
+                continue
             for case in LINEARS:
                 results.append(bench_linear(*case, rows, args.repeats))
                 print_row(results[-1])

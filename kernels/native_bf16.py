@@ -45,7 +45,8 @@ LOG = logging.getLogger("raymoe.kernels")
 KERNEL = "native-bf16"  # kernel_name's family; which instructions run it: :func:`instructions`
 # A dense layer is split over threads from this size on (the LM heads: 311 M parameters for
 # Qwen3-30B-A3B's vocabulary); below it a thread's hand-off costs more than the second core saves.
-SPLIT_MIN_BYTES = 64 << 20
+# RAYMOE_BF16_SPLIT_MIN_MB overrides it (A/B runs: benchmarks/bench_bf16_kernels.py --split).
+SPLIT_MIN_BYTES = int(float(os.environ.get("RAYMOE_BF16_SPLIT_MIN_MB", "64")) * (1 << 20))
 MAX_SPLIT = 4
 _pool: ThreadPoolExecutor | None = None
 _pool_threads = 0
@@ -99,8 +100,9 @@ def split_threads() -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            out_dtype: torch.dtype = torch.bfloat16, threads: int | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (:func:`linear_applies` checked) in ``out_dtype`` (bfloat16, or
-    float32 for logits). A weight of ``SPLIT_MIN_BYTES`` or more has its outputs split over
-    ``threads`` threads (default :func:`split_threads`): the same bits, each output is computed alike."""
+    float32 for logits). Its outputs are split over ``threads`` threads; by default
+    :func:`split_threads` for a weight of ``SPLIT_MIN_BYTES`` or more, else one: the same bits
+    either way, each output is computed alike."""
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype must be float32 or bfloat16, not {out_dtype}")
     shape = x.shape
@@ -115,7 +117,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             flat.data_ptr(), flat.shape[1], out.data_ptr(), features, f32, weight.data_ptr(),
             bias.data_ptr() if bias is not None else None, rows, flat.shape[1], first, end), "raymoe_bf16_linear")
 
-    if weight.numel() * 2 >= SPLIT_MIN_BYTES and (threads := threads or split_threads()) > 1:
+    if threads is None:
+        threads = split_threads() if weight.numel() * 2 >= SPLIT_MIN_BYTES else 1
+    if threads > 1:
         bounds = [features * part // threads // 16 * 16 for part in range(threads)] + [features]
         pool = _executor(threads - 1)
         others = [pool.submit(run, bounds[part], bounds[part + 1]) for part in range(1, threads)]

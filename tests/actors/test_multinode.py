@@ -142,6 +142,9 @@ def test_a_shrink_leaves_no_actor_on_the_nodes_it_freed(three_nodes, tiny_mixtra
     outlived the workers they read, and the two expert nodes a shrink freed stayed up."""
     from ray._private.state import actors
 
+    while sum(node["Alive"] for node in ray.nodes()) < 3:  # (a test before this one removes a node)
+        three_nodes.add_node(num_cpus=1)
+    three_nodes.wait_for_nodes()
     batch = prompts(4, seed=14)
     expected = [o.output_token_ids for o in reference_engine(tiny_mixtral_dir).generate(batch, GREEDY)]
     config = cluster_config(tiny_mixtral_dir, expert_workers=3, routers=1,  # 3 + 5 slots: one worker holds all 8

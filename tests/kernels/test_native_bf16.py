@@ -77,10 +77,11 @@ def test_linear_is_the_float64_result_rounded_once_and_row_invariant(rows, outpu
 
 @needs_kernel
 def test_a_split_over_threads_gives_the_same_bits(monkeypatch):
-    monkeypatch.setattr(native_bf16, "SPLIT_MIN_BYTES", 0)
     x, w = _bf16(5, 64, seed=3), _bf16(203, 64, seed=4)
-    one = native_bf16.linear(x, w, out_dtype=torch.float32)
+    one = native_bf16.linear(x, w, out_dtype=torch.float32, threads=1)
     assert torch.equal(native_bf16.linear(x, w, out_dtype=torch.float32, threads=3), one)
+    monkeypatch.setattr(native_bf16, "SPLIT_MIN_BYTES", 0)  # the default: split over every core
+    assert torch.equal(native_bf16.linear(x, w, out_dtype=torch.float32), one)
 
 
 @needs_kernel
