@@ -15,7 +15,7 @@ float32 kernels keep, and placement-independence needs). benchmarks/bench_bf16_k
 measures them against torch's and oneDNN's at the real models' shapes.
 
 - :func:`linear`: a dense layer (attention projections, the LM head with float32 logits); a layer
-  of ``SPLIT_MIN_BYTES`` or more (the LM heads) has its outputs split over :func:`split_threads`
+  of ``SPLIT_MIN_BYTES`` or more (a real model's projections and LM head) has its outputs split over :func:`split_threads`
   threads, one per core this process may use, up to ``MAX_SPLIT``: on a CPU router the expert
   workers idle while it runs, and one core alone does not saturate the memory bus (the threads
   are not pinned even where the caller is: actors/cpu_affinity.py).
@@ -43,10 +43,12 @@ from raymoe.kernels.native_library import check as _check
 
 LOG = logging.getLogger("raymoe.kernels")
 KERNEL = "native-bf16"  # kernel_name's family; which instructions run it: :func:`instructions`
-# A dense layer is split over threads from this size on (the LM heads: 311 M parameters for
-# Qwen3-30B-A3B's vocabulary); below it a thread's hand-off costs more than the second core saves.
-# RAYMOE_BF16_SPLIT_MIN_MB overrides it (A/B runs: benchmarks/bench_bf16_kernels.py --split).
-SPLIT_MIN_BYTES = int(float(os.environ.get("RAYMOE_BF16_SPLIT_MIN_MB", "64")) * (1 << 20))
+# A dense layer is split over threads from this size on: the LM heads and, since a router's
+# workers wait while it runs its dense layers, the attention projections of real models too.
+# Measured on the 2-vCPU EPYC (benchmarks/bench_bf16_kernels.py --split, weights cold): 16-50 MB
+# layers 1.20-1.51x faster over 2 threads at 1 row and 1.02-1.87x at 16; a 2 MB one 0.80-0.93x
+# (the hand-off costs more than the second core saves). RAYMOE_BF16_SPLIT_MIN_MB overrides it.
+SPLIT_MIN_BYTES = int(float(os.environ.get("RAYMOE_BF16_SPLIT_MIN_MB", "8")) * (1 << 20))
 MAX_SPLIT = 4
 _pool: ThreadPoolExecutor | None = None
 _pool_threads = 0
