@@ -59,6 +59,18 @@ def timed(fn) -> float:
     return time.perf_counter() - started
 
 
+def measure(variants: dict, repeats: int, calls: int = 1) -> dict[str, float]:
+    """Each variant warmed once, then ``repeats`` rounds of every variant in turn (``calls`` timed
+    calls each): the median ms per variant."""
+    samples = {label: [] for label in variants}
+    for fn in variants.values():
+        fn()  # warm
+    for _ in range(repeats):
+        for label, fn in variants.items():
+            samples[label].extend(timed(fn) for _ in range(calls))
+    return {label: median_ms(s) for label, s in samples.items()}
+
+
 def kernels() -> dict[str, tuple]:
     library = STATE.library
     chosen = {"raymoe avx512-bf16": (library.raymoe_bf16_linear, library.raymoe_bf16_swiglu_experts, "avx512-bf16")}
@@ -77,15 +89,9 @@ def bench_linear(name: str, out_features: int, in_features: int, rows: int, repe
     for label, chosen in kernels().items():
         variants[label] = lambda chosen=chosen: (setattr(native_bf16, "_chosen", chosen),
                                                  native_bf16.linear(x, weight, threads=1))
-    samples = {label: [] for label in variants}
-    for fn in variants.values():
-        fn()  # warm
-    for _ in range(repeats):
-        for label, fn in variants.items():
-            samples[label].append(timed(fn))
     gigabytes = weight.numel() * 2 / 1e9
     return {"case": f"{name} [{out_features}, {in_features}]", "rows": rows,
-            "ms": {label: median_ms(s) for label, s in samples.items()}, "weight_gb": gigabytes}
+            "ms": measure(variants, repeats), "weight_gb": gigabytes}
 
 
 def bench_split(name: str, out_features: int, in_features: int, rows: int, repeats: int) -> dict:
@@ -108,17 +114,11 @@ def bench_split(name: str, out_features: int, in_features: int, rows: int, repea
                 f"raymoe {threads} threads": lambda: native_bf16.linear(x, next_one(weights), threads=threads),
                 f"torch F.linear {threads} threads": lambda: F.linear(x, next_one(weights)),
                 f"oneDNN packed {threads} threads": lambda: onednn(x, next_one(packed), None, "none", [], "")}
-    samples = {label: [] for label in variants}
     torch.set_num_threads(threads)
     try:
-        for fn in variants.values():
-            fn()
-        for _ in range(repeats):
-            for label, fn in variants.items():
-                samples[label].extend(timed(fn) for _ in range(copies))
+        ms = measure(variants, repeats, calls=copies)
     finally:
         torch.set_num_threads(1)
-    ms = {label: median_ms(s) for label, s in samples.items()}
     return {"case": f"{name} [{out_features}, {in_features}]", "rows": rows, "ms": ms,
             "weight_gb": weights[0].numel() * 2 / 1e9, "threads": threads,
             "split_gain": ms["raymoe 1 thread"] / ms[f"raymoe {threads} threads"]}
@@ -142,15 +142,9 @@ def bench_experts(name: str, experts: int, top_k: int, hidden: int, intermediate
     for label, chosen in kernels().items():
         variants[label] = lambda chosen=chosen: (setattr(native_bf16, "_chosen", chosen),
                                                  native_bf16.swiglu_jobs(x, out, w13, w2, jobs))
-    samples = {label: [] for label in variants}
-    for fn in variants.values():
-        fn()
-    for _ in range(repeats):
-        for label, fn in variants.items():
-            samples[label].append(timed(fn))
     gigabytes = top_k * 3 * hidden * intermediate * 2 / 1e9
     return {"case": f"{name} (top-{top_k} of {experts}, D {hidden}, I {intermediate})", "rows": rows,
-            "ms": {label: median_ms(s) for label, s in samples.items()}, "weight_gb": gigabytes}
+            "ms": measure(variants, repeats), "weight_gb": gigabytes}
 
 
 def main() -> None:

@@ -165,6 +165,7 @@ def test_a_shrink_leaves_no_actor_on_the_nodes_it_freed(three_nodes, tiny_mixtra
         assert ray.get(deployment.controller.__ray_call__.remote(pretend_remote), timeout=30)
         nodes = [info["node_id"] for info in ray.get([w.info.remote() for w in deployment.workers])]
         router_node = ray.get(deployment.routers[0].info.remote())["node_id"]
+
         def alive_on(where: set[str]) -> list[str]:
             return [f"{a.get('ActorClassName')} on {a['Address']['NodeID'][:8]}" for a in actors().values()
                     if a.get("State") == "ALIVE" and (a.get("Address") or {}).get("NodeID") in where]
