@@ -245,7 +245,9 @@ def test_a_disconnect_storm_stops_generation_and_leaks_no_thread(server):
     assert max(threads_after) <= max(max(threads_before), ROUTER_CONCURRENCY + RAY_OWN_THREADS)
 
 
-IN_FLIGHT_S = 8.0  # how long six large prompts are kept in flight while /v1/models is polled
+IN_FLIGHT_S = 2.5  # how long six large prompts are kept in flight in a round while /v1/models is polled
+IDLE_S = 1.0  # polling before each round, nothing in flight
+LOADED_ROUNDS = 3
 
 
 def poll_models(url: str, seconds: float) -> list[float]:
@@ -266,35 +268,47 @@ def p99(latencies: list[float]) -> float:
 
 def test_models_stays_responsive_while_large_prompts_are_tokenized(server):
     """Six ~900 kB prompts kept in flight (each posted again once answered: parsed, tokenized,
-    then refused, 714k tokens against a context of 1,024) while /v1/models is polled, one call
-    after another, for IN_FLIGHT_S. Before the prompts were counted rather than listed
+    then refused, 714k tokens against the tiny model's context) while /v1/models is polled, one
+    call after another, in LOADED_ROUNDS rounds of IN_FLIGHT_S, each after IDLE_S of polling
+    with nothing in flight. Before the prompts were counted rather than listed
     (engine/tokenizer.py: the id list held the GIL 25 ms per prompt) and took turns on a
     low-priority pool of their own (actors/ingress.py, LARGE_BODY_BYTES), p99 was 120-200 ms
     on a quiet machine and 690 ms beside two busy processes; since, 6-20 and 36-41 ms
-    (benchmarks/bench_front_door.py, docs/BENCHMARKS.md)."""
-    idle = poll_models(server.url, 2.0)  # this machine's own noise, now
-    big = json.dumps({"prompt": "lorem ipsum dolor sit amet " * 34_000}).encode()  # 918 kB
-    answers, stop = [], threading.Event()
+    (benchmarks/bench_front_door.py, docs/BENCHMARKS.md).
 
-    def sender() -> None:
+    A blocked event loop shows in every round; a neighbour's burst (the other CI worker) in
+    one or two: so each round's p99 is compared with the idle p99 next to it, and the median
+    round decides. (One 8 s window against one 2 s idle window failed a CI run: p99 111 ms
+    loaded against 8.6 ms idle, where this machine measures 5 ms against 3 ms when quiet.)"""
+    big = json.dumps({"prompt": "lorem ipsum dolor sit amet " * 34_000}).encode()  # 918 kB
+    answers: list = []
+
+    def sender(stop: threading.Event) -> None:
         while not stop.is_set():
             answers.append(post(f"{server.url}/v1/completions", big))
 
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        senders = [pool.submit(sender) for _ in range(6)]
-        time.sleep(0.5)  # every prompt on its way
-        loaded = poll_models(server.url, IN_FLIGHT_S)
-        stop.set()
-        for done in senders:
-            done.result()
+    rounds = []  # (idle p99, loaded p99, loaded p50, calls) per round
+    for _ in range(LOADED_ROUNDS):
+        idle = poll_models(server.url, IDLE_S)  # this machine's own noise, now
+        stop = threading.Event()
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            senders = [pool.submit(sender, stop) for _ in range(6)]
+            time.sleep(0.5)  # every prompt on its way
+            loaded = poll_models(server.url, IN_FLIGHT_S)
+            stop.set()
+            for done in senders:
+                done.result()
+        rounds.append((p99(idle), p99(loaded), statistics.median(loaded), len(loaded)))
     # Beyond the tiny model's context: every one refused after tokenizing, with its count.
     assert len(answers) >= 6 and all(code == 400 for code, _ in answers), [code for code, _ in answers]
     assert all(body["error"]["code"] == "context_length_exceeded" and "714000 tokens" in body["error"]["message"]
                for _, body in answers), answers[0]
-    print(f"/v1/models idle: p50 {1e3 * statistics.median(idle):.1f} ms, p99 {1e3 * p99(idle):.1f} ms; with 6 x "
-          f"900 kB prompts in flight: {len(loaded)} calls, p50 {1e3 * statistics.median(loaded):.1f} ms, p99 "
-          f"{1e3 * p99(loaded):.1f} ms; {len(answers)} prompts answered")
-    assert p99(loaded) < 0.15  # the issue's bound
+    for idle_p99, loaded_p99, loaded_p50, calls in rounds:
+        print(f"/v1/models idle p99 {1e3 * idle_p99:.1f} ms; with 6 x 900 kB prompts in flight: {calls} calls, "
+              f"p50 {1e3 * loaded_p50:.1f} ms, p99 {1e3 * loaded_p99:.1f} ms")
+    print(f"{len(answers)} prompts answered")
+    assert statistics.median(r[1] for r in rounds) < 0.15, rounds  # the issue's bound, in most rounds
     # The bound that tells a blocked event loop apart on a quiet machine too (there the old
-    # code stayed under 150 ms: 120 ms): relative to this machine's idle p99 at the time.
-    assert p99(loaded) < max(0.06, 5 * p99(idle))
+    # code stayed under 150 ms: 120 ms): relative to this machine's idle p99 next to it.
+    calm = sum(loaded < max(0.06, 5 * idle) for idle, loaded, _, _ in rounds)
+    assert calm > LOADED_ROUNDS // 2, rounds
