@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from raymoe.engine.checkpoint import Checkpoint, CheckpointError
+from raymoe.kernels.huge_pages import huge_page_empty
 from raymoe.moe.model_config import Architecture, AttentionKind, ModelConfig, QKNorm, SharedExpertKind
 
 
@@ -179,8 +180,12 @@ def validate_checkpoint(checkpoint: Checkpoint, config: ModelConfig) -> None:
 
 
 def load_dense_weights(checkpoint: Checkpoint, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> DenseWeights:
-    def get(name: str) -> torch.Tensor:
-        return checkpoint.get(name, dtype).to(device)
+    def get(*names: str) -> torch.Tensor:
+        """The named tensors, stacked along their first dimension (one name: that tensor)."""
+        if device.type == "cpu":
+            return read_stacked(checkpoint, names, dtype)
+        parts = [checkpoint.get(name, dtype) for name in names]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device)
 
     layers = []
     for layer in range(config.num_layers):
@@ -231,8 +236,12 @@ def load_expert_stack(
     were resident from the start).
     """
     inter, hidden = config.moe_intermediate_size, config.hidden_size
-    w13 = torch.empty(len(experts), 2 * inter, hidden, dtype=dtype, device=device)
-    w2 = torch.empty(len(experts), hidden, inter, dtype=dtype, device=device)
+    if device.type == "cpu":  # streamed every step: on 2 MiB pages (kernels/huge_pages.py)
+        w13 = huge_page_empty((len(experts), 2 * inter, hidden), dtype)
+        w2 = huge_page_empty((len(experts), hidden, inter), dtype)
+    else:
+        w13 = torch.empty(len(experts), 2 * inter, hidden, dtype=dtype, device=device)
+        w2 = torch.empty(len(experts), hidden, inter, dtype=dtype, device=device)
     for slot, expert in enumerate(experts):
         if expert >= 0:
             read_expert_into(checkpoint, config, layer, expert, w13[slot], w2[slot])
@@ -255,8 +264,31 @@ def read_expert_into(checkpoint: Checkpoint, config: ModelConfig, layer: int, ex
     checkpoint.read_into(down, w2_row)
 
 
+def read_stacked(checkpoint: Checkpoint, names: tuple[str, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The named tensors stacked along their first dimension (one name: that tensor) in one CPU
+    tensor of ``dtype``, each read straight into its rows (Checkpoint.read_into): no second copy
+    of a weight is held. From 2 MiB on the tensor lies on huge pages (kernels/huge_pages.py): a
+    decode step streams these weights from DRAM."""
+    for name in names:
+        if name not in checkpoint:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {checkpoint.model_dir}")
+    shapes = [checkpoint.shape(name) for name in names]
+    if len(names) == 1:
+        out = huge_page_empty(shapes[0], dtype)
+        checkpoint.read_into(names[0], out)
+        return out
+    if any(len(shape) == 0 or shape[1:] != shapes[0][1:] for shape in shapes):
+        raise CheckpointError(f"{', '.join(names)}: shapes {shapes} do not stack along their first dimension")
+    out = huge_page_empty((sum(shape[0] for shape in shapes), *shapes[0][1:]), dtype)
+    row = 0
+    for name, shape in zip(names, shapes):
+        checkpoint.read_into(name, out[row:row + shape[0]])
+        row += shape[0]
+    return out
+
+
 def _mlp(get, prefix: str) -> MLPWeights:
-    w13 = torch.cat([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")])
+    w13 = get(prefix + "gate_proj.weight", prefix + "up_proj.weight")
     return MLPWeights(w13=w13, w2=get(prefix + "down_proj.weight"))
 
 
@@ -276,10 +308,10 @@ def _attention(get, config: ModelConfig, p: str) -> GQAWeights | MLAWeights:
             w_uv=kv_b[:, mla.qk_nope_head_dim:].contiguous(),
             o_proj=get(p + "o_proj.weight"),
         )
-    qkv = torch.cat([get(p + "q_proj.weight"), get(p + "k_proj.weight"), get(p + "v_proj.weight")])
+    qkv = get(p + "q_proj.weight", p + "k_proj.weight", p + "v_proj.weight")
     bias = None
     if config.attention_bias:
-        bias = torch.cat([get(p + "q_proj.bias"), get(p + "k_proj.bias"), get(p + "v_proj.bias")])
+        bias = get(p + "q_proj.bias", p + "k_proj.bias", p + "v_proj.bias")
     has_norm = config.qk_norm is not QKNorm.NONE
     return GQAWeights(
         qkv=qkv,

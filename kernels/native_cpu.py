@@ -49,20 +49,17 @@ kernels' layouts, kept in kernels/weight_cache.py (as oneDNN's packed rows are).
 from __future__ import annotations
 
 import array
-import ctypes
-import math
-import mmap
 
 import torch
 
 from raymoe.kernels import weight_cache
 from raymoe.kernels.comm.wire import Status, row_bytes
+from raymoe.kernels.huge_pages import HUGE_PAGE, huge_page_empty  # noqa: F401 (HUGE_PAGE: tests)
 # set_enabled and unavailable_reason are the loader's: this module's callers (attention, norms) ask them here
 from raymoe.kernels.native_library import CHUNK_ROWS, STATE, set_enabled, unavailable_reason  # noqa: F401
 from raymoe.kernels.native_library import check as _check
 
 KERNEL = "native-avx512"
-HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64
 
 
 def _takes(*tensors: torch.Tensor) -> bool:
@@ -213,25 +210,14 @@ def _on_huge_pages(layout: torch.Tensor) -> torch.Tensor:
 
 
 def _huge_page_empty(shape: torch.Size) -> torch.Tensor:
-    """An empty float32 CPU tensor the kernel may see through 2 MiB pages (Linux's transparent
-    huge pages, asked for with ``madvise``, which also works where THP is in ``madvise`` mode).
+    """An empty float32 CPU tensor the kernel may see through 2 MiB pages (kernels/huge_pages.py).
 
     A worker's experts stream from DRAM every step (12 MB a step at one sequence for the bench
     model, 48 MB at 32); through 4 KiB pages each expert also costs a few hundred TLB walks, and
     the walks miss the caches the other process emptied. Measured on the experts of 4 layers
     with 16 MB of other memory written between layers (the router's turn): 0.95-1.20 -> 0.70-0.94
-    ms at one row an expert, 2.34-3.05 -> 2.03-2.84 at 8. Small tensors, or a platform without
-    ``MADV_HUGEPAGE``, get ``torch.empty``."""
-    count = math.prod(shape)
-    if count * 4 < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(shape, dtype=torch.float32)
-    # Private and anonymous (THP covers those; a shared mapping would need shmem's setting), one
-    # page more than needed so the tensor can start on a huge-page boundary.
-    region = mmap.mmap(-1, count * 4 + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    # frombuffer holds a reference to the mapping: it is unmapped when the last tensor on it goes.
-    return torch.frombuffer(region, dtype=torch.float32, count=count, offset=(-start) % HUGE_PAGE).view(shape)
+    ms at one row an expert, 2.34-3.05 -> 2.03-2.84 at 8."""
+    return huge_page_empty(shape, torch.float32)
 
 
 def _panels(weight: torch.Tensor, contiguous: bool = True) -> torch.Tensor:

@@ -30,6 +30,7 @@ FAST_TIER = [
     "tests/kernels/test_native_cpu.py::test_the_kernel_builds_and_runs_where_the_machine_allows_it",
     "tests/kernels/test_native_cpu.py::test_the_library_reports_every_shared_constant_as_the_python_side_defines_it",
     "tests/kernels/test_native_bf16.py::test_linear_is_the_float64_result_rounded_once_and_row_invariant",
+    "tests/kernels/test_huge_pages.py::test_read_stacked_is_the_checkpoints_tensors_concatenated",
     "tests/kernels/test_comm_layout.py::test_row_offsets_are_an_exclusive_prefix_sum",
     "tests/kernels/test_comm_cpu.py::test_single_rank_validates_inputs_and_sends_to_itself",
     "tests/kernels/test_comm_cpu.py::test_dead_peer_raises_peer_lost_naming_it[sockets]",
