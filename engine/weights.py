@@ -214,7 +214,10 @@ def load_dense_weights(checkpoint: Checkpoint, config: ModelConfig, dtype: torch
                 shared_gate=shared_gate,
             )
         )
-    embed = get("model.embed_tokens.weight")
+    if config.tie_word_embeddings:  # the LM head too: streamed every step
+        embed = get("model.embed_tokens.weight")
+    else:  # a step reads a few rows: the checkpoint's lazily paged mapping keeps the rest off RSS
+        embed = checkpoint.get("model.embed_tokens.weight", dtype).to(device)
     return DenseWeights(
         embed=embed,
         final_norm=get("model.norm.weight"),
