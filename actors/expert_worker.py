@@ -68,6 +68,7 @@ from raymoe.kernels.comm.base import Communicator
 from raymoe.kernels.comm.wire import HEADER_KIND, KIND_SPLIT
 from raymoe.engine.hf_config import load_model_config
 from raymoe.moe.placement import PlacementTable
+from raymoe.moe.worker_threads import default_worker_threads
 
 
 LOG = logging.getLogger("raymoe.worker")
@@ -204,13 +205,8 @@ class ExpertWorker:
         # `threads - 1` more run other experts of the same layer meanwhile (the same GEMM calls,
         # so outputs do not depend on the thread count). Torch's own intra-op threads were
         # slower here: an expert's decode GEMM is too small to split well.
-        self.threads = threads or 1
         packed_linear.set_enabled(packed_experts)  # cluster config `cpu.packed_experts` (CPU float32 only)
-        self.executor = ThreadPoolExecutor(self.threads - 1, thread_name_prefix=f"worker-{worker}-experts") \
-            if self.threads > 1 else None
         self.worker = worker
-        self.pin_core = pin_core  # the core index the serving thread pins itself to (actors/cpu_affinity.py)
-        self.pinned_core: int | None = None  # the core it took
         self.model_dir = model_dir
         self.spare_rows = spare_rows
         self.config = load_model_config(model_dir)
@@ -218,6 +214,16 @@ class ExpertWorker:
         if self.device.type == "cpu":
             keep_freed_memory()  # engine/host_memory.py
         self.dtype = resolve_dtype(dtype, self.config, self.device)
+        if threads is None and self.device.type == "cpu":  # `cpu.worker_threads` unset: by the experts' size
+            threads = default_worker_threads(self.config.hidden_size, self.config.moe_intermediate_size,
+                                             self.dtype.itemsize)
+        self.threads = threads or 1
+        self.executor = ThreadPoolExecutor(self.threads - 1, thread_name_prefix=f"worker-{worker}-experts") \
+            if self.threads > 1 else None
+        # The core index the serving thread pins itself to (actors/cpu_affinity.py): only a worker
+        # that computes on one thread (its other threads would inherit the pinned core).
+        self.pin_core = pin_core if self.threads == 1 else None
+        self.pinned_core: int | None = None  # the core it took
         self.exchange: WorkerExchange | None = None
         self.migration_comm: Communicator | None = None
         self.generation = -1

@@ -37,7 +37,7 @@ class WorkerSpec:
     dtype: str
     gpus: bool
     spare_rows: int  # extra pool rows per MoE layer (moe/memory_plan.py::worker_pool_rows)
-    threads: int | None  # cpu.worker_threads (None on GPUs)
+    threads: int | None  # cpu.worker_threads (None on GPUs, and on CPUs where it is unset: the worker chooses)
     packed_experts: bool
     pin_threads: bool  # cpu.pin_threads: worker w's serving thread pins itself to core w
     max_concurrency: int
@@ -63,7 +63,8 @@ def start_worker(spec: WorkerSpec, worker: int, placement: dict[str, Any], sched
     ``detached``: the actor outlives the process that starts it. A resize starts workers from
     the controller actor, and a non-detached actor dies with its owner: a restarted
     controller must not take the workers it added with it (deploy's shutdown kills them)."""
-    pin = worker if not spec.gpus and spec.pin_threads and spec.threads == 1 else None
+    # (threads None: the worker chooses by its experts' size, moe/worker_threads.py, and drops the pin if 2)
+    pin = worker if not spec.gpus and spec.pin_threads and spec.threads in (1, None) else None
     options = dict(
         num_cpus=0 if spec.gpus else CPU_SLIVER, num_gpus=1 if spec.gpus else 0, max_concurrency=spec.max_concurrency,
         max_restarts=-1,  # a crashed worker is restarted; the controller reloads its experts

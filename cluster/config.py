@@ -222,10 +222,10 @@ class CpuSection(_Section):
 
     ``router_threads``: torch's intra-op threads for the router's dense part.
     ``worker_threads``: threads that run a layer's experts side by side in a worker (each
-    expert's GEMMs stay single-threaded calls, so outputs do not depend on it). A router and
-    its workers compute one after the other, so a worker could use the cores the routers
-    leave idle; measured on 2 cores (1 router x 1 worker, docs/BENCHMARKS.md) it did not pay
-    for itself, hence 1.
+    expert's GEMMs stay single-threaded calls, so outputs do not depend on it). Unset, each
+    worker chooses by its experts' size (moe/worker_threads.py): 2 where one expert takes
+    64 MiB or more in the serving dtype (Mixtral-8x7B's shapes: a step at one sequence 62-75
+    against 75-86 ms on 2 cores), else 1 (smaller experts measured no gain or a loss).
     ``packed_experts``: workers run float32 experts with oneDNN over a prepacked copy of their
     weights (kernels/packed_linear.py: ~2x faster at decode sizes here, and row-invariant);
     the copy costs the experts' size once more in memory; ``false`` uses torch's default GEMM.
@@ -238,7 +238,7 @@ class CpuSection(_Section):
     off a served step here), where a jemalloc library is found; ``system`` keeps the C library's."""
 
     router_threads: Positive = 1
-    worker_threads: Positive = 1
+    worker_threads: Positive | None = None  # None: by the experts' size (moe/worker_threads.py)
     packed_experts: bool = True  # float32 experts over oneDNN-prepacked weights (kernels/packed_linear.py)
     pin_threads: bool = True  # compute threads pinned so a router and a worker share a core (actors/cpu_affinity.py)
     allocator: Allocator = Allocator.JEMALLOC  # the actors' malloc (engine/host_memory.py)

@@ -17,6 +17,7 @@ from raymoe.engine.host_memory import jemalloc_path
 from raymoe.kernels import native_bf16
 from raymoe.kernels.expert_mlp import kernel_name
 from raymoe.engine.hf_config import load_model_config
+from raymoe.moe.worker_threads import default_worker_threads
 from timing import deadline_margin_s
 
 CASES = {
@@ -71,7 +72,9 @@ def test_outputs_equal_the_in_process_engine(case, ray_session, reference, tiny_
         # in the parity above); routers keep cpu.router_threads (1).
         workers = CASES[case].get("expert_workers", 1)
         infos = ray.get([w.info.remote() for w in deployment.workers])
-        threads = CASES[case].get("cpu", {}).get("worker_threads", 1)
+        model = load_model_config(tiny_mixtral_dir)  # unset: the worker's choice by its experts' size (float32: 1)
+        threads = CASES[case].get("cpu", {}).get("worker_threads") or default_worker_threads(
+            model.hidden_size, model.moe_intermediate_size, 4)
         assert [i["compute_threads"] for i in infos] == [threads] * workers
         assert {ray.get(r.info.remote())["compute_threads"] for r in deployment.routers} == {1}
         # cpu.pin_threads (default on): router r's step thread and worker w's serving thread sit
