@@ -224,8 +224,8 @@ class CpuSection(_Section):
     ``worker_threads``: threads that run a layer's experts side by side in a worker (each
     expert's GEMMs stay single-threaded calls, so outputs do not depend on it). Unset, each
     worker chooses by its experts' size (moe/worker_threads.py): 2 where one expert takes
-    64 MiB or more in the serving dtype (Mixtral-8x7B's shapes: a step at one sequence 62-75
-    against 75-86 ms on 2 cores), else 1 (smaller experts measured no gain or a loss).
+    64 MiB or more in the serving dtype (Mixtral-8x7B's shapes served on 2 cores: TPOT at one
+    request 76-77 against 92-96 ms), else 1 (smaller experts measured no gain or a loss).
     ``packed_experts``: workers run float32 experts with oneDNN over a prepacked copy of their
     weights (kernels/packed_linear.py: ~2x faster at decode sizes here, and row-invariant);
     the copy costs the experts' size once more in memory; ``false`` uses torch's default GEMM.
