@@ -63,8 +63,8 @@ def start_worker(spec: WorkerSpec, worker: int, placement: dict[str, Any], sched
     ``detached``: the actor outlives the process that starts it. A resize starts workers from
     the controller actor, and a non-detached actor dies with its owner: a restarted
     controller must not take the workers it added with it (deploy's shutdown kills them)."""
-    # (threads None: the worker chooses by its experts' size, moe/worker_threads.py, and drops the pin if 2)
-    pin = worker if not spec.gpus and spec.pin_threads and spec.threads in (1, None) else None
+    # (the worker pins itself only where it computes on one thread: actors/expert_worker.py)
+    pin = worker if not spec.gpus and spec.pin_threads else None
     options = dict(
         num_cpus=0 if spec.gpus else CPU_SLIVER, num_gpus=1 if spec.gpus else 0, max_concurrency=spec.max_concurrency,
         max_restarts=-1,  # a crashed worker is restarted; the controller reloads its experts

@@ -31,7 +31,8 @@ from raymoe.kernels.native_library import bf16_unavailable_reason
 def plain_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """The same kind of mapping as huge_page_empty's, without asking for huge pages."""
     count = math.prod(shape)
-    region = mmap.mmap(-1, count * 2, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region = mmap.mmap(-1, count * torch.empty((), dtype=dtype).element_size(),
+                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         region.madvise(mmap.MADV_NOHUGEPAGE)  # (THP in "always" mode would give them anyway)
     return torch.frombuffer(region, dtype=dtype, count=count).view(shape)

@@ -198,26 +198,21 @@ def _gate_up_panels(w13: torch.Tensor) -> torch.Tensor:
     gate, up = w13.reshape(stacked, 2, -1, 16, hidden).unbind(1)  # [Sp, I/16, 16, D] each
     # [Sp, I/16, D, 2, 16], written in place: no stacked temporary the size of the layer's w13
     # (a worker packing its pool must not hold a third copy of a layer meanwhile)
-    layout = _huge_page_empty(torch.Size((stacked, gate.shape[1], hidden, 2, 16)))
+    layout = huge_page_empty(torch.Size((stacked, gate.shape[1], hidden, 2, 16)), torch.float32)  # (see _on_huge_pages)
     layout.select(3, 0).copy_(gate.transpose(2, 3))
     layout.select(3, 1).copy_(up.transpose(2, 3))
     return layout
 
 
 def _on_huge_pages(layout: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``layout`` in :func:`_huge_page_empty` memory."""
-    return _huge_page_empty(layout.shape).copy_(layout)
-
-
-def _huge_page_empty(shape: torch.Size) -> torch.Tensor:
-    """An empty float32 CPU tensor the kernel may see through 2 MiB pages (kernels/huge_pages.py).
+    """A contiguous copy of ``layout`` on 2 MiB pages (kernels/huge_pages.py).
 
     A worker's experts stream from DRAM every step (12 MB a step at one sequence for the bench
     model, 48 MB at 32); through 4 KiB pages each expert also costs a few hundred TLB walks, and
     the walks miss the caches the other process emptied. Measured on the experts of 4 layers
     with 16 MB of other memory written between layers (the router's turn): 0.95-1.20 -> 0.70-0.94
     ms at one row an expert, 2.34-3.05 -> 2.03-2.84 at 8."""
-    return huge_page_empty(shape, torch.float32)
+    return huge_page_empty(layout.shape, torch.float32).copy_(layout)
 
 
 def _panels(weight: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
