@@ -22,6 +22,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
@@ -48,6 +49,7 @@ from raymoe.moe.placement import PlacementTable
 RECOVERY_TIMEOUT_S = 600.0
 RECOVERY_ATTEMPTS = 3  # a router asks this many times for a recovery that fails part-way
 RECOVERY_RETRY_PAUSE_S = 1.0
+RECENT_FAILURES = 8  # info()'s recent_failures keeps this many
 # Failures a rebuilt communicator group fixes: a peer that died, froze or broke the group.
 RECOVERABLE = (CommError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
                ray.exceptions.ActorUnavailableError)
@@ -190,6 +192,9 @@ class Router:
         self.comm_generation = 0
         self.recoveries = 0
         self.last_failure: dict[str, Any] | None = None
+        # The last few, oldest first: a recovery's own retry can fail again (a replacement peer still
+        # warming up), and the failure that started it must not be lost under the later one.
+        self.recent_failures: deque[dict[str, Any]] = deque(maxlen=RECENT_FAILURES)
         self.idle_rounds = 0
         # Every turn of the step loop counts here, where the controller's rank watch reads it
         # without this process's GIL (actors/progress_slot.py): a router whose calls go
@@ -414,6 +419,7 @@ class Router:
                 failure = error
                 self.last_failure = {"error": f"{type(error).__name__}: {error}",
                                      "after_s": time.monotonic() - step_started, "time": time.time()}
+                self.recent_failures.append(self.last_failure)
             if failure is not None:
                 self._recover(failure, exchange)
             if outputs:
@@ -700,7 +706,8 @@ class Router:
                 "pinned_core": self.pinned_core, "allocator": allocator_in_use(),
                 "niceness": os.nice(0),
                 "recoveries": self.recoveries, "comm_generation": self.comm_generation,
-                "last_failure": self.last_failure, "warm_up": self.warm_up,
+                "last_failure": self.last_failure, "recent_failures": list(self.recent_failures),
+                "warm_up": self.warm_up,
                 "generated_tokens": self.generated_tokens, "micro_batched_steps": self.experts.micro_batched_steps,
                 "ping_pong_steps": self.experts.ping_pongs}
 
