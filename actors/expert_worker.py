@@ -56,6 +56,7 @@ from raymoe.engine.checkpoint import Checkpoint
 from raymoe.engine.engine import resolve_dtype
 from raymoe.actors.cpu_affinity import pin_current_thread
 from raymoe.actors.devices import actor_cuda_device
+from raymoe.actors.heap_freeze import freeze_loaded_heap
 from raymoe.actors.progress_slot import ProgressSlot
 from raymoe.engine.exchange.ep_exchange import GroupLayout, WorkerExchange, worker_exchange
 from raymoe.engine.exchange.worker_warm_up import warm_up_experts
@@ -265,6 +266,7 @@ class ExpertWorker:
         # be called, not inside the group's first step under the workers' deadline.
         self.warm_up = warm_up_experts(self.w13, self.w2, self.config.top_k,
                                        self.executor if self.device.type == "cpu" else None)
+        self.frozen_objects = freeze_loaded_heap()  # last: what loading built lives as long as this actor
 
     def load_placement(self, placement: dict[str, Any]) -> dict[str, Any]:
         """(Re)load this worker's experts for ``placement`` from the checkpoint, forgetting older epochs.
@@ -379,6 +381,7 @@ class ExpertWorker:
             "allocator": allocator_in_use(),  # cpu.allocator (engine/host_memory.py)
             "expert_kernel": self.expert_kernel,  # native-avx512, onednn or torch (kernels/expert_mlp.py)
             "warm_up": self.warm_up,  # per expert shape: run once before joining (engine/experts.py)
+            "frozen_objects": self.frozen_objects,  # actors/heap_freeze.py
             "niceness": os.nice(0),
             "epochs": sorted(self.slot_rows),
             "experts": self.experts[latest] if latest is not None else [],

@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from raymoe.actors.attach import NAMESPACE, attach_actors
 from raymoe.actors.front_door import PROBE_HEADROOM, RETRY_AFTER_S, FrontDoor, FrontDoorPolicy
+from raymoe.actors.heap_freeze import freeze_loaded_heap
 from raymoe.actors.http_listener import harden_direct_ingress
 from raymoe.actors.rank_watch import HEALTHY
 from raymoe.actors.router import StepFailure
@@ -148,6 +149,7 @@ class OpenAIIngress:
         self._prepare_pool = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="raymoe-prepare")
         self._large_pool = ThreadPoolExecutor(max_workers=LARGE_PREPARE_THREADS, thread_name_prefix="raymoe-prepare-large",
                                               initializer=_lower_priority)
+        freeze_loaded_heap()  # last: what loading built lives as long as this replica
 
     # ---- OpenAI routes -----------------------------------------------------------------
     @app.post("/v1/completions")

@@ -32,6 +32,7 @@ import torch
 from raymoe.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from raymoe.actors.cpu_affinity import pin_current_thread
 from raymoe.actors.devices import actor_cuda_device
+from raymoe.actors.heap_freeze import freeze_loaded_heap
 from raymoe.actors.progress_slot import ProgressSlot
 from raymoe.engine.exchange.ep_exchange import GroupLayout, RouterExchange, router_exchange
 from raymoe.engine.host_memory import allocator_in_use
@@ -207,6 +208,7 @@ class Router:
         # A group formed beside the one in service (prepare_switch), switched to after the next
         # idle tick the routers agree on (a re-include's make-before-break; actors/recovery.py).
         self._pending: PendingGroup | None = None
+        self.frozen_objects = freeze_loaded_heap()  # last: what loading built lives as long as this actor
 
     def _warm_up(self) -> dict[str, Any]:
         """Run once what compiles or loads kernels on first use, outside any group: the
@@ -709,7 +711,7 @@ class Router:
                 "last_failure": self.last_failure, "recent_failures": list(self.recent_failures),
                 "warm_up": self.warm_up,
                 "generated_tokens": self.generated_tokens, "micro_batched_steps": self.experts.micro_batched_steps,
-                "ping_pong_steps": self.experts.ping_pongs}
+                "ping_pong_steps": self.experts.ping_pongs, "frozen_objects": self.frozen_objects}
 
     def shutdown(self) -> None:
         with self._wake:

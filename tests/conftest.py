@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import os
 
 import pytest
@@ -19,6 +20,16 @@ def tiny_mixtral_dir(tmp_path_factory) -> str:
     from tiny_models import build_reference_model, write_checkpoint
 
     return write_checkpoint(build_reference_model("mixtral"), str(tmp_path_factory.mktemp("tiny-mixtral")))
+
+
+@pytest.fixture(autouse=True)
+def _collector_unfrozen():
+    """A router or worker built in this process (threads instead of actors) freezes the heap it
+    finds (actors/heap_freeze.py); the test process does not keep that past the test: what
+    was frozen could never be collected for the rest of the session."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
 
 
 # ---- gpu / nccl skips ------------------------------------------------------------------
