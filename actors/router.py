@@ -171,7 +171,8 @@ class Router:
         self.experts = RemoteExperts(self.placement, config.top_k, engine_config.capacity, self.telemetry)
         self.micro_batch_min_seqs = engine_config.micro_batch_min_seqs
         self.engine = LLMEngine.from_pretrained(
-            model_dir, engine_config, experts=self.experts, detokenize=tokenizer.decode if tokenizer else None
+            model_dir, engine_config, experts=self.experts, detokenize=tokenizer.decode if tokenizer else None,
+            text_holds=tokenizer.byte_fallback_ids if tokenizer else frozenset(),
         )
         self.device = self.engine.device
         self.experts.device = self.device

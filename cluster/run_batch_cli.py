@@ -92,7 +92,8 @@ def _run(args: argparse.Namespace) -> int:
     name = args.served_model_name or os.path.basename(os.path.normpath(model))
     if args.config is None:
         engine = LLMEngine.from_pretrained(
-            model, EngineConfig(dtype=args.dtype), detokenize=tokenizer.decode if tokenizer else None
+            model, EngineConfig(dtype=args.dtype), detokenize=tokenizer.decode if tokenizer else None,
+            text_holds=tokenizer.byte_fallback_ids if tokenizer else frozenset(),
         )
         limits = ModelLimits(name, engine.config.vocab_size, engine.max_model_len)
         lines = run_batch(items, InProcessBatchEngine(engine), tokenizer, limits)

@@ -23,6 +23,7 @@ from raymoe.engine.block_manager import BlockManager
 from raymoe.engine.checkpoint import Checkpoint
 from raymoe.engine.experts import ExpertBackend, LocalExperts
 from raymoe.engine.host_memory import keep_freed_memory
+from raymoe.engine.incremental_text import IncrementalText
 from raymoe.engine.kv_cache import KVCache
 from raymoe.engine.model import MoEModel
 from raymoe.engine.prefill_pacer import PrefillPacer
@@ -97,6 +98,7 @@ class LLMEngine:
         dtype: torch.dtype,
         detokenize: Callable[[list[int]], str] | None = None,
         grammar: GrammarCompiler | None = None,  # the vocabulary's grammar compiler, for structured output
+        text_holds: frozenset[int] = frozenset(),  # ids the stop strings' text does not settle after
     ):
         self.config = config
         self.grammar = grammar
@@ -107,6 +109,7 @@ class LLMEngine:
             keep_freed_memory()  # a step's buffers are reused, not page-faulted in anew (engine/host_memory.py)
         self.dtype = dtype
         self.detokenize = detokenize
+        self.text_holds = text_holds  # (Tokenizer.byte_fallback_ids: engine/incremental_text.py)
         self.max_model_len = min(engine_config.max_model_len or config.max_position_embeddings,
                                  config.max_position_embeddings)
         block_size = engine_config.block_size
@@ -140,8 +143,10 @@ class LLMEngine:
         engine_config: EngineConfig | None = None,
         experts: ExpertBackend | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
+        text_holds: frozenset[int] = frozenset(),
     ) -> "LLMEngine":
-        """Load a checkpoint; with ``experts=None`` every expert is loaded into this process."""
+        """Load a checkpoint; with ``experts=None`` every expert is loaded into this process.
+        ``detokenize`` (and ``text_holds``, its tokenizer's byte-fallback ids) serve stop strings."""
         engine_config = engine_config or EngineConfig()
         config = load_model_config(model_dir)
         device = torch.device(engine_config.device)
@@ -156,7 +161,7 @@ class LLMEngine:
             ]
             experts = LocalExperts([s[0] for s in stacks], [s[1] for s in stacks], engine_config.capacity)
         grammar = _grammar_compiler(model_dir, config)
-        return cls(config, MoEModel(config, weights, experts), engine_config, dtype, detokenize, grammar)
+        return cls(config, MoEModel(config, weights, experts), engine_config, dtype, detokenize, grammar, text_holds)
 
     # ---- requests ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -375,8 +380,17 @@ class LLMEngine:
         )
 
     def _match_stop(self, sequence: Sequence) -> bool:
-        text = self.detokenize(sequence.output_ids)
-        found = [i for i in (text.find(s) for s in sequence.params.stop) if i >= 0]
+        """Whether the output's text now holds a stop string (``stop_text_index``: where the first
+        starts). The text grows by a few tokens' decode a step (engine/incremental_text.py), and
+        only its end can hold a new match: one that ends after the text settled so far."""
+        if sequence.output_text is None:
+            sequence.output_text = IncrementalText(self.detokenize, self.text_holds)
+        state = sequence.output_text
+        start = max(0, len(state.settled) - max(len(s) for s in sequence.params.stop) + 1)
+        text = state.update(sequence.output_ids)
+        if state.whole:  # (decoded whole: earlier text may read differently now; search all of it)
+            start = 0
+        found = [i for i in (text.find(s, start) for s in sequence.params.stop) if i >= 0]
         if found:
             sequence.stop_text_index = min(found)
         return bool(found)

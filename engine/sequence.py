@@ -42,6 +42,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_text_index: int | None = None  # where a matched stop string starts in the output text
+    output_text: Any = None  # engine/incremental_text.py's IncrementalText of output_ids (stop strings only)
     num_preemptions: int = 0
     penalty_state: Any = None  # sampler.PenaltyState: token counts on the device, for penalised requests
     grammar: GrammarState | None = None  # where the output stands in its structured-output grammar

@@ -6,6 +6,7 @@ The chat template comes from ``tokenizer_config.json`` (``chat_template``) or a
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -54,6 +55,15 @@ class Tokenizer:
         self._added_ids = set(self._tokenizer.get_added_tokens_decoder())
         self._piece_bytes = _piece_decoder(self._tokenizer.decoder)
         self._bytes: dict[int, bytes] = {}
+
+    @functools.cached_property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of SentencePiece's byte-fallback tokens (``<0x41>``). Their decoder turns a run of
+        them that is not valid UTF-8 into U+FFFD as a whole, so streamed text does not settle
+        right after one (engine/incremental_text.py). Byte-level BPE has none."""
+        vocab = self._tokenizer.get_vocab(with_added_tokens=False)
+        return frozenset(i for token, i in vocab.items()
+                         if len(token) == 6 and token.startswith("<0x") and token.endswith(">"))
 
     @property
     def vocab_size(self) -> int:

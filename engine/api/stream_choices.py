@@ -24,7 +24,7 @@ class StreamedChoice:
         self.prepared = prepared
         self.tokenizer = tokenizer
         self.chat = prepared.endpoint is Endpoint.CHAT
-        self.text = TextStream(decode, prepared.params.stop)
+        self.text = TextStream(decode, prepared.params.stop, tokenizer.byte_fallback_ids if tokenizer else frozenset())
         self.chat_stream = ChatStream(prepared.chat) if self.chat else None
         self.prompt = prepared.prompts[index // prepared.n]
         self.sent_tokens = 0

@@ -8,26 +8,34 @@ are held back until more tokens (or the end) make them safe:
   could still turn out to be the start of a stop string that must not be shown.
 
 At the end the text is cut at the stop string (if one matched), so the concatenated pieces
-equal the non-streamed response's text.
+equal the non-streamed response's text. Until then the text is kept up to date by decoding
+only the newest tokens (engine/incremental_text.py: a whole decode per token made a stream
+of n tokens cost O(n^2)); the last piece comes from one whole decode, the response's text.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Collection
+
+from raymoe.engine.incremental_text import IncrementalText
 
 
 class TextStream:
-    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = ()):
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = (),
+                 holds: Collection[int] = frozenset()):
+        """``holds``: the tokenizer's byte-fallback ids (engine/incremental_text.py)."""
         self.decode = decode
+        self.incremental = IncrementalText(decode, holds)
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.sent = 0
 
     def update(self, token_ids: list[int], finished: bool, stop_text_index: int | None = None) -> str:
-        text = self.decode(token_ids)
         if finished:
+            text = self.decode(token_ids)
             final = text[:stop_text_index] if stop_text_index is not None else text
             piece, self.sent = final[self.sent:], len(final)
             return piece
+        text = self.incremental.update(token_ids)
         safe = len(text) - self.holdback
         while safe > self.sent and text[safe - 1] == "\ufffd":
             safe -= 1
