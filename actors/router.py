@@ -193,9 +193,9 @@ class Router:
         self.supervisor: Any = None  # the controller: rebuilds the group when a peer fails
         self.comm_generation = 0
         self.recoveries = 0
-        self.last_failure: dict[str, Any] | None = None
-        # The last few, oldest first: a recovery's own retry can fail again (a replacement peer still
-        # warming up), and the failure that started it must not be lost under the later one.
+        # The last few step failures, oldest first (info()'s last_failure is the newest): a recovery's
+        # own retry can fail again (a replacement peer still warming up), and the failure that
+        # started it must not be lost under the later one.
         self.recent_failures: deque[dict[str, Any]] = deque(maxlen=RECENT_FAILURES)
         self.idle_rounds = 0
         # Every turn of the step loop counts here, where the controller's rank watch reads it
@@ -420,9 +420,8 @@ class Router:
                 # a recovery aborts it from another thread; whatever that raised follows from it):
                 # recover outside the lock, then the step runs again.
                 failure = error
-                self.last_failure = {"error": f"{type(error).__name__}: {error}",
-                                     "after_s": time.monotonic() - step_started, "time": time.time()}
-                self.recent_failures.append(self.last_failure)
+                self.recent_failures.append({"error": f"{type(error).__name__}: {error}",
+                                             "after_s": time.monotonic() - step_started, "time": time.time()})
             if failure is not None:
                 self._recover(failure, exchange)
             if outputs:
@@ -709,7 +708,8 @@ class Router:
                 "pinned_core": self.pinned_core, "allocator": allocator_in_use(),
                 "niceness": os.nice(0),
                 "recoveries": self.recoveries, "comm_generation": self.comm_generation,
-                "last_failure": self.last_failure, "recent_failures": list(self.recent_failures),
+                "last_failure": self.recent_failures[-1] if self.recent_failures else None,
+                "recent_failures": list(self.recent_failures),
                 "warm_up": self.warm_up,
                 "generated_tokens": self.generated_tokens, "micro_batched_steps": self.experts.micro_batched_steps,
                 "ping_pong_steps": self.experts.ping_pongs, "frozen_objects": self.frozen_objects}
