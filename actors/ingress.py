@@ -118,9 +118,12 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 # ASGI message of a streamed response crosses from that loop to the one serving HTTP (a queue and
 # a cross-thread wake-up per chunk). raymoe's ingress never blocks its loop (bodies are prepared
 # on threads), so it runs on Serve's own loop, as Ray's throughput-optimized mode does: measured
-# ~15-20% less of the replica's CPU per streamed token (docs/BENCHMARKS.md). Ray reads the
+# ~11% less of the replica's CPU per streamed token (docs/BENCHMARKS.md). Ray reads the
 # variable when the replica's process starts; the replica's runtime_env sets it there.
-SAME_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+# RAYMOE_INGRESS_SEPARATE_LOOP=1 where the deployment is built keeps Serve's default (an A/B:
+# benchmarks/bench_ingress_loop.py).
+SAME_LOOP_ENV = ({} if os.environ.get("RAYMOE_INGRESS_SEPARATE_LOOP") == "1"
+                 else {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"})
 
 
 @serve.deployment(name="raymoe", num_replicas=1, max_ongoing_requests=4096 + PROBE_HEADROOM,
