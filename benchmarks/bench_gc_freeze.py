@@ -26,6 +26,7 @@ import torch
 
 from common import build_mixtral, machine_description
 from raymoe.actors.heap_freeze import ENV
+from raymoe.cluster import procfs
 from raymoe.cluster.config import parse_cluster_config
 from raymoe.cluster.deploy import deploy
 from raymoe.engine.sampling_params import SamplingParams
@@ -35,8 +36,7 @@ REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 32, 32, 64
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return procfs.cpu_seconds(procfs.stat(pid))
 
 
 def router_pauses(directory: str, pid: int, since: float) -> dict[int, tuple[int, float, float]]:

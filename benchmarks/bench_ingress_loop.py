@@ -28,7 +28,6 @@ import time
 
 from raymoe.cluster import procfs
 
-TICKS = os.sysconf("SC_CLK_TCK")
 PROCESSES = {"ingress": "ServeReplica", "router": "ray::Router", "worker": "ray::ExpertWorker",
              "client": "bench serve"}
 
@@ -39,12 +38,12 @@ def cpu_by_label() -> dict[str, float]:
     for pid in map(str, procfs.pids()):
         try:
             command = procfs.command_line(procfs.read_bytes(pid, "cmdline"))
-            _, fields = procfs.parse_stat(procfs.read_text(pid, "stat"))
+            seconds_so_far = procfs.cpu_seconds(procfs.stat(pid))
         except (OSError, IndexError, ValueError):
             continue
         for label, needle in PROCESSES.items():
             if needle in command[:100]:
-                seconds[label] += (int(fields[11]) + int(fields[12])) / TICKS
+                seconds[label] += seconds_so_far
     return seconds
 
 
@@ -79,7 +78,7 @@ def one_run(separate: bool, args: argparse.Namespace, work: str, index: int) -> 
     window.join(30)
     with open(out) as handle:
         row = next(r for r in json.load(handle)["rows"] if r["concurrency"] == 32)
-    tokens = args.num_prompts * 64
+    tokens = row["raw"]["total_output_tokens"]
     cpu = {label: (window.last[label] - window.first[label]) / tokens * 1e6 for label in PROCESSES}
     return {"separate": separate, "tok_s": row["output_tok_s"], "us_per_token": cpu,
             "ingress_over_router": cpu["ingress"] / cpu["router"]}

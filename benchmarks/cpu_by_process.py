@@ -23,8 +23,6 @@ import time
 
 from raymoe.cluster import procfs
 
-TICKS = os.sysconf("SC_CLK_TCK")
-
 
 def snapshot() -> dict[tuple[str, str], tuple[str, str, float, int]]:
     """(pid, tid) -> (process label, thread name, CPU seconds, voluntary context switches)."""
@@ -36,7 +34,7 @@ def snapshot() -> dict[tuple[str, str], tuple[str, str, float, int]]:
             for tid in procfs.threads(pid):
                 name, fields = procfs.parse_stat(procfs.read_text(pid, f"task/{tid}/stat"))
                 switches = int(procfs.status(pid, f"task/{tid}/status")["voluntary_ctxt_switches"])
-                out[(pid, tid)] = (label, name, (int(fields[11]) + int(fields[12])) / TICKS, switches)
+                out[(pid, tid)] = (label, name, procfs.cpu_seconds(fields), switches)
         except (OSError, IndexError, ValueError, KeyError):  # a process or thread that ended meanwhile
             continue
     return out

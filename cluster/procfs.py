@@ -3,7 +3,8 @@ kernel's TCP socket table (proc(5)).
 
 Used by `ray down`'s node stop (ray_up_node.py), the launch check (cluster/ray-up/try-local.py),
 the tests (processes of a server's session, its listeners, an actor's peak memory) and the
-benchmarks (soak.py's RSS per process, cpu_by_process.py's CPU time per thread). Readers of
+benchmarks (soak.py's RSS per process, the CPU time per process or thread of cpu_by_process.py,
+bench_gc_freeze.py and bench_ingress_loop.py). Readers of
 one file that nothing else reads stay beside their one user: the mappings of this process
 (engine/host_memory.py), the host's memory (cluster/memory_check.py), the ephemeral port range
 (kernels/comm/ports.py), the boot id (kernels/comm/sockets.py).
@@ -19,6 +20,7 @@ import socket
 from typing import NamedTuple
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc's CPU times count these a second
 TCP_LISTEN, TCP_TIME_WAIT = "0A", "06"  # socket states in /proc/net/tcp
 
 
@@ -57,6 +59,11 @@ def parse_stat(text: str) -> tuple[str, list[str]]:
 def stat(pid: int | str, name: str = "stat") -> list[str]:
     """The fields of /proc/PID/stat after the command name (see `parse_stat`)."""
     return parse_stat(read_text(pid, name))[1]
+
+
+def cpu_seconds(fields: list[str]) -> float:
+    """User plus system CPU seconds of a parsed stat line's ``fields`` (a process's or a thread's)."""
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def status(pid: int | str, name: str = "status") -> dict[str, str]:
