@@ -84,6 +84,7 @@ class IngressSettings:
     front_door: FrontDoorPolicy  # API key digests, CORS, body deadlines, admission caps
     namespace: str = NAMESPACE
     max_migrations: int = 3  # serve.max_migrations: moves of one request to another router when its router is lost
+    delta_channel: bool = True  # serve.delta_channel: the routers' deltas over a socket of their own (else Ray's stream)
 
 
 def _lower_priority() -> None:
@@ -157,7 +158,7 @@ class OpenAIIngress:
         self.created = int(time.time())
         self._ids = itertools.count()
         self.relay = RouterRelay(self.deployment.routers, self.metrics,  # selection, subscriptions, migration
-                                 max_migrations=settings.max_migrations)
+                                 max_migrations=settings.max_migrations, channel=settings.delta_channel)
         self._router_refresh: asyncio.Task | None = None  # follows a router resize (_refresh_routers)
         self._prepare_pool = ThreadPoolExecutor(max_workers=PREPARE_THREADS, thread_name_prefix="raymoe-prepare")
         self._large_pool = ThreadPoolExecutor(max_workers=LARGE_PREPARE_THREADS, thread_name_prefix="raymoe-prepare-large",

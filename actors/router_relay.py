@@ -30,6 +30,7 @@ from typing import Any, AsyncIterator
 
 import ray
 
+from raymoe.actors.delta_channel import DeltaChannel
 from raymoe.actors.router import StepFailure
 from raymoe.actors.serving_metrics import ServingMetrics
 from raymoe.engine.api.openai_protocol import new_id
@@ -57,7 +58,7 @@ def sequence_id(request_id: str, index: int, count: int) -> str:
 class RouterRelay:
     """One ingress replica's requests on the routers ``routers`` (actor handles, by index)."""
 
-    def __init__(self, routers: list[Any], metrics: ServingMetrics, max_migrations: int = 3):
+    def __init__(self, routers: list[Any], metrics: ServingMetrics, max_migrations: int = 3, channel: bool = True):
         self.routers = list(routers)
         self.serving = len(self.routers)  # routers 0..serving-1 take new requests (set_routers)
         self.metrics = metrics
@@ -66,8 +67,9 @@ class RouterRelay:
         # One subscription per router carries every delta of this replica's requests, one
         # Ray item per step (not one per token per request); a task per router reads it.
         self.subscriber = new_id("ingress")
+        self.channel = channel  # the deltas over a socket of their own (serve.delta_channel), else Ray's stream
         self._waiting: dict[str, tuple[int, asyncio.Queue]] = {}  # request id -> (router, its deltas)
-        self._subscriptions: dict[int, asyncio.Task] = {}
+        self._subscriptions: dict[int, tuple[asyncio.Task, asyncio.Future]] = {}  # router -> (reader, connected)
 
     # ---- selection ---------------------------------------------------------------------
     def set_routers(self, routers: list[Any], serving: int) -> None:
@@ -95,31 +97,55 @@ class RouterRelay:
         return router
 
     # ---- subscription ------------------------------------------------------------------
-    def _subscribe(self, router: int) -> None:
-        task = self._subscriptions.get(router)
-        if task is None or task.done():
-            self._subscriptions[router] = asyncio.get_running_loop().create_task(self._read_subscription(router))
+    async def _subscribed(self, router: int) -> None:
+        """``router``'s deltas for this replica are being read (connected first, over the delta
+        channel): a request submitted after this returns has its deltas read. Raises
+        :class:`RouterLost` when the router cannot be reached."""
+        subscription = self._subscriptions.get(router)
+        if subscription is None or subscription[0].done():
+            ready = asyncio.get_running_loop().create_future()
+            task = asyncio.get_running_loop().create_task(self._read_subscription(router, ready))
+            subscription = self._subscriptions[router] = (task, ready)
+        await asyncio.shield(subscription[1])  # one request going away does not cancel the others' wait
 
-    async def _read_subscription(self, router: int) -> None:
+    async def _read_subscription(self, router: int, ready: asyncio.Future) -> None:
         """Read ``router``'s per-step batches and hand each delta to its request. If the router
         is lost, every request waiting on it hears so; the next request subscribes again."""
         handle = self.routers[router]
+        channel: DeltaChannel | None = None
         try:
+            if self.channel:  # over a socket of its own (actors/delta_channel.py)
+                channel = await DeltaChannel.connect(await handle.delta_channel.remote(), self.subscriber)
+                ready.set_result(None)
+                while True:
+                    self._hand_out(await channel.read())
+            ready.set_result(None)  # Ray's stream: a submit that arrives first finds the same queue
             async for ref in handle.subscribe.options(num_returns="streaming").remote(self.subscriber):
-                for item in await ref:
-                    entry = self._waiting.get(item.request_id)
-                    if entry is not None:
-                        entry[1].put_nowait(item)
+                self._hand_out(await ref)
             lost: BaseException = RuntimeError("the router closed its stream")
         except ROUTER_LOST as error:
             lost = error
+        except asyncio.IncompleteReadError:
+            lost = RuntimeError("the router closed its delta channel")
         except asyncio.CancelledError:
             raise
         except Exception as error:  # keep serving: the requests on this router fail over like on a loss
             lost = error
+        finally:
+            if channel is not None:
+                channel.close()
+        if not ready.done():
+            ready.set_exception(RouterLost(lost))
+            ready.exception()  # retrieved: a lost router nobody waited on is not an unhandled error
         for entry in list(self._waiting.values()):
             if entry[0] == router:
                 entry[1].put_nowait(RouterLost(lost))
+
+    def _hand_out(self, items: list) -> None:
+        for item in items:
+            entry = self._waiting.get(item.request_id)
+            if entry is not None:
+                entry[1].put_nowait(item)
 
     # ---- migration ---------------------------------------------------------------------
     async def deltas(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
@@ -144,7 +170,7 @@ class RouterRelay:
                 deltas: asyncio.Queue = asyncio.Queue()
                 self._waiting[attempt] = (router, deltas)
                 try:
-                    self._subscribe(router)
+                    await self._subscribed(router)
                     try:
                         await self.routers[router].submit.remote(self.subscriber, attempt, prompt_ids, params,
                                                                  list(tokens) or None)

@@ -215,6 +215,7 @@ class ServeSection(_Section):
     max_requests_per_client: Positive = 1024  # from one client address at once (429 beyond; raise it behind a load balancer)
     keep_alive_timeout_s: PositiveFloat | None = None  # idle keep-alive connections closed after this (Serve's default)
     max_migrations: Annotated[int, msgspec.Meta(ge=0)] = 3  # moves of one request to another router when its router is lost
+    delta_channel: bool = True  # routers' token deltas to the ingress over a socket of their own (false: Ray's stream)
 
 
 class CpuSection(_Section):

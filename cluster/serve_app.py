@@ -62,7 +62,7 @@ def ingress_settings(config: ClusterConfig, attach_to: str, key_digests: tuple[b
         max_model_len=config.engine.max_model_len,
         admission_limit=-(-(config.engine.max_num_seqs + edge.max_queued_per_router) // replicas),
         max_body_bytes=edge.max_body_bytes, header_timeout_s=edge.header_timeout_s,
-        max_migrations=edge.max_migrations,
+        max_migrations=edge.max_migrations, delta_channel=edge.delta_channel,
         front_door=FrontDoorPolicy(
             key_digests=tuple(key_digests), metrics_need_key=edge.metrics_need_key, enable_docs=edge.enable_docs,
             cors_allow_origins=edge.cors_allow_origins, body_timeout_s=edge.body_timeout_s,

@@ -1,0 +1,160 @@
+"""The delta channel (actors/delta_channel.py) on loopback, without Ray: what a router's writer sends
+arrives in order, a stranger is refused, each connection has a queue of its own, and the end of a
+connection reaches the router (its requests aborted) and the ingress (its router lost)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import socket
+import threading
+import time
+
+import pytest
+
+from raymoe.actors.delta_channel import SECRET_BYTES, ChannelAddress, DeltaChannel, DeltaChannelServer
+from raymoe.actors.router import StepFailure, TokenDelta
+
+
+class FakeRouter:
+    """The router's side of the contract: a fresh queue per subscriber's connection, detach when it ends."""
+
+    def __init__(self):
+        self.queues: dict[str, queue.Queue] = {}
+        self.attached: list[tuple[str, queue.Queue]] = []
+        self.detached: list[tuple[str, queue.Queue]] = []
+        self.stop = False
+        self.server = DeltaChannelServer("127.0.0.1", self.attach, self.detach, lambda: self.stop)
+
+    def attach(self, subscriber: str) -> queue.Queue:
+        target = self.queues[subscriber] = queue.Queue()
+        self.attached.append((subscriber, target))
+        return target
+
+    def detach(self, subscriber: str, target: queue.Queue) -> None:
+        self.detached.append((subscriber, target))
+
+
+@pytest.fixture
+def router():
+    fake = FakeRouter()
+    yield fake
+    fake.stop = True
+    fake.server.close()
+
+
+def delta(request_id: str, token: int, finished: bool = False) -> TokenDelta:
+    return TokenDelta(request_id, [token], [-0.5], [], finished, "length" if finished else None, None, 3)
+
+
+def wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_batches_arrive_in_order_with_their_fields(router):
+    async def main():
+        channel = await DeltaChannel.connect(router.server.address, "ingress-a")
+        target = router.queues["ingress-a"]  # registered before connect() returned
+        target.put([delta("r1", 5), delta("r2", 6)])
+        first = await asyncio.wait_for(channel.read(), 5)
+        # two more steps: in one frame or two (whatever the writer found queued), in step order
+        target.put([delta("r1", 7)])
+        target.put([delta("r1", 8, finished=True), StepFailure("r2", "boom", status=500)])
+        seen = []
+        while len(seen) < 3:
+            seen += await asyncio.wait_for(channel.read(), 5)
+        channel.close()
+        return first, seen
+
+    first, seen = asyncio.run(main())
+    assert [(d.request_id, d.token_ids, d.logprobs) for d in first] == [("r1", [5], [-0.5]), ("r2", [6], [-0.5])]
+    assert [getattr(d, "token_ids", None) for d in seen] == [[7], [8], None]
+    assert seen[1].finished and seen[1].finish_reason == "length"
+    assert isinstance(seen[2], StepFailure) and seen[2].status == 500 and seen[2].message == "boom"
+
+
+def test_a_wrong_secret_is_closed_unanswered_and_registers_nothing(router):
+    address = router.server.address
+    wrong = ChannelAddress(address.host, address.port, bytes(SECRET_BYTES))
+
+    async def main():
+        with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
+            await DeltaChannel.connect(wrong, "intruder")
+
+    asyncio.run(main())
+    assert router.attached == [] and "intruder" not in router.queues
+    # a connection that never says hello is closed too (here: it sends half a secret and stops)
+    with socket.create_connection((address.host, address.port)) as raw:
+        raw.sendall(address.secret[:4])
+        raw.shutdown(socket.SHUT_WR)
+        assert raw.recv(16) == b""
+    assert router.attached == []
+
+
+def test_each_connection_has_a_queue_of_its_own_and_its_end_is_detached(router):
+    async def connect():
+        return await DeltaChannel.connect(router.server.address, "ingress-b")
+
+    async def connect_and_leave():
+        channel = await connect()
+        channel.close()
+        await asyncio.sleep(0.1)
+
+    asyncio.run(connect_and_leave())
+    old = router.queues["ingress-b"]
+    deadline = time.monotonic() + 5
+    while ("ingress-b", old) not in router.detached:  # the writer notices on a write: give it some
+        assert time.monotonic() < deadline, "the end of the connection never reached the router"
+        old.put([delta("gone", 1)])
+        time.sleep(0.05)
+
+    async def second_connection():
+        channel = await connect()
+        new = router.queues["ingress-b"]
+        assert new is not old
+        old.put([delta("stale", 2)])  # what an old writer's queue gets never reaches the new connection
+        new.put([delta("fresh", 3)])
+        items = await asyncio.wait_for(channel.read(), 5)
+        channel.close()
+        return items
+
+    assert [d.request_id for d in asyncio.run(second_connection())] == ["fresh"]
+
+
+def test_a_stopping_router_ends_the_stream_and_the_ingress_reads_its_end(router):
+    async def main():
+        channel = await DeltaChannel.connect(router.server.address, "ingress-c")
+        router.stop = True  # the writer ends within its idle wait (1 s)
+        started = time.monotonic()
+        with pytest.raises(asyncio.IncompleteReadError):
+            await asyncio.wait_for(channel.read(), 5)
+        return time.monotonic() - started
+
+    assert asyncio.run(main()) < 3
+    wait_for(lambda: [s for s, _ in router.detached] == ["ingress-c"])
+
+
+def test_many_steps_from_a_writer_thread_arrive_whole(router):
+    """The writer is the router's own thread: 2,000 steps of 32 deltas each, none lost or reordered."""
+    async def main():
+        channel = await DeltaChannel.connect(router.server.address, "ingress-d")
+        target = router.queues["ingress-d"]
+
+        def step_thread():
+            for step in range(2000):
+                target.put([delta(f"r{i}", step) for i in range(32)])
+
+        threading.Thread(target=step_thread, daemon=True).start()
+        tokens: dict[str, list[int]] = {}
+        while sum(map(len, tokens.values())) < 2000 * 32:
+            for item in await asyncio.wait_for(channel.read(), 10):
+                tokens.setdefault(item.request_id, []).append(item.token_ids[0])
+        channel.close()
+        return tokens
+
+    tokens = asyncio.run(main())
+    assert sorted(tokens) == sorted(f"r{i}" for i in range(32))
+    assert all(seen == list(range(2000)) for seen in tokens.values())
