@@ -636,8 +636,11 @@ class Router:
         (actors/delta_channel.py: one frame a step, without Ray's cost per streamed item)."""
         with self._wake:
             if self._channel is None:
-                self._channel = DeltaChannelServer(ray.util.get_node_ip_address(), self._attach_channel,
-                                                   self._detach_channel, lambda: self._stopped)
+                self._channel = DeltaChannelServer(
+                    ray.util.get_node_ip_address(), self._attach_channel, self._detach_channel, lambda: self._stopped,
+                    self._channel_submit, self.abort,
+                    slow=lambda params: params.structured is not None and self.engine.grammar is not None,
+                    prepare=lambda params: self.engine.grammar.compile(params.structured))  # cached for _submit
             return self._channel.address
 
     def _attach_channel(self, subscriber: str) -> queue.Queue:
@@ -652,6 +655,18 @@ class Router:
         with self._wake:
             if self._subscribers.get(subscriber) is target:
                 del self._subscribers[subscriber]
+
+    def _channel_submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                        resume_ids: list[int] | None, target: queue.Queue) -> None:
+        """:meth:`submit` for a request that came over the delta channel: a refusal goes back
+        as its first item (status 400), like the ValueError a Ray call would raise."""
+        try:
+            self._submit(request_id, prompt_ids, params, target, resume_ids)
+        except ValueError as error:  # validate_prompt: e.g. its KV never fits
+            target.put([StepFailure(request_id, str(error), public=str(getattr(error, "cause", error)), status=400)])
+        except Exception as error:  # noqa: BLE001 (the caller must hear of it; nothing else would tell it)
+            target.put([StepFailure(request_id, f"submitting it failed: {type(error).__name__}: {error}",
+                                    public="the server could not start this request; retry", status=500)])
 
     def _abort_queue(self, target: queue.Queue) -> None:
         """Abort every request whose deltas go to ``target`` (its reader is gone)."""

@@ -5,10 +5,13 @@ and what happens when a router is lost.
   requests in flight (the lowest index among equals), avoiding those that already failed the
   request, among those taking requests (a router resize adds routers and retires the highest:
   :meth:`RouterRelay.set_routers`, which the ingress calls when the controller reports a change).
-- **Subscription**: one stream per router and replica (``Router.subscribe``): one Ray item per
-  router step carries every delta of this replica's requests (not one per token per request),
-  and a task per router hands each to its request. When the stream breaks, every request
-  waiting on that router hears so (:class:`RouterLost`); the next request subscribes again.
+- **Subscription**: one connection per router and replica, made before the first request goes
+  there: the delta channel (actors/delta_channel.py, ``serve.delta_channel``, the default), a
+  socket that carries this replica's submits and aborts to the router and one frame a router
+  step back with every delta of its requests; or (``serve.delta_channel: false``) Ray's
+  stream ``Router.subscribe``, one item a step, with each submit and abort a Ray call. A task
+  per router hands each delta to its request. When the connection breaks, every request
+  waiting on that router hears so (:class:`RouterLost`); the next request connects again.
 - **Migration** (:meth:`RouterRelay.deltas`, :meth:`RouterRelay.score`): when a router is
   lost, each of its requests moves to a live router. One that had produced no token starts
   over; one that had continues there after the tokens it produced (``Router.submit``'s
@@ -70,6 +73,7 @@ class RouterRelay:
         self.channel = channel  # the deltas over a socket of their own (serve.delta_channel), else Ray's stream
         self._waiting: dict[str, tuple[int, asyncio.Queue]] = {}  # request id -> (router, its deltas)
         self._subscriptions: dict[int, tuple[asyncio.Task, asyncio.Future]] = {}  # router -> (reader, connected)
+        self._channels: dict[int, DeltaChannel] = {}  # router -> its delta channel while connected
 
     # ---- selection ---------------------------------------------------------------------
     def set_routers(self, routers: list[Any], serving: int) -> None:
@@ -116,6 +120,7 @@ class RouterRelay:
         try:
             if self.channel:  # over a socket of its own (actors/delta_channel.py)
                 channel = await DeltaChannel.connect(await handle.delta_channel.remote(), self.subscriber)
+                self._channels[router] = channel
                 ready.set_result(None)
                 while True:
                     self._hand_out(await channel.read())
@@ -134,6 +139,8 @@ class RouterRelay:
         finally:
             if channel is not None:
                 channel.close()
+                if self._channels.get(router) is channel:
+                    del self._channels[router]
         if not ready.done():
             ready.set_exception(RouterLost(lost))
             ready.exception()  # retrieved: a lost router nobody waited on is not an unhandled error
@@ -171,17 +178,26 @@ class RouterRelay:
                 self._waiting[attempt] = (router, deltas)
                 try:
                     await self._subscribed(router)
-                    try:
-                        await self.routers[router].submit.remote(self.subscriber, attempt, prompt_ids, params,
-                                                                 list(tokens) or None)
-                    except ValueError as error:  # its engine refused it (validate_prompt: e.g. its KV never fits)
-                        finished = True
-                        yield StepFailure(request_id, str(error), public=str(getattr(error, "cause", error)), status=400)
-                        return
+                    channel = self._channels.get(router)
+                    if channel is not None:  # a refusal comes back as its first item
+                        channel.submit(attempt, prompt_ids, params, list(tokens) or None)
+                    else:
+                        try:
+                            await self.routers[router].submit.remote(self.subscriber, attempt, prompt_ids, params,
+                                                                     list(tokens) or None)
+                        except ValueError as error:  # its engine refused it (validate_prompt: e.g. its KV never fits)
+                            finished = True
+                            yield StepFailure(request_id, str(error), public=str(getattr(error, "cause", error)),
+                                              status=400)
+                            return
                     while True:
                         item = await deltas.get()
                         if isinstance(item, RouterLost):
                             raise item
+                        if isinstance(item, StepFailure) and item.status == 400:  # refused (over the channel)
+                            finished = True
+                            yield StepFailure(request_id, item.message, public=item.public, status=400)
+                            return
                         if isinstance(item, StepFailure):
                             finished = True
                             self.metrics.count_finished("error")
@@ -212,7 +228,7 @@ class RouterRelay:
                 except (*ROUTER_LOST, RouterLost) as error:
                     failed.add(router)
                     self._waiting.pop(attempt, None)
-                    self.routers[router].abort.remote(attempt)  # if it lives on (only its stream broke), it stops
+                    self._abort(router, attempt)  # if it lives on (only its stream broke), it stops
                     migrations += 1
                     if migrations > self.max_migrations:
                         finished = True
@@ -231,10 +247,17 @@ class RouterRelay:
                     attempt = f"{request_id}~{migrations}"
         finally:
             if not finished:  # the client went away (or the caller stopped): free its slot and KV blocks
-                self.routers[router].abort.remote(attempt)
+                self._abort(router, attempt)
                 self.metrics.count_finished("abort")
             self._waiting.pop(attempt, None)
             self.in_flight[router] -= 1
+
+    def _abort(self, router: int, attempt: str) -> None:
+        channel = self._channels.get(router)
+        if channel is not None:
+            channel.abort(attempt)
+        else:
+            self.routers[router].abort.remote(attempt)
 
     async def score(self, prompts: list[list[int]], num_top: int,
                     request_id: str) -> list[PromptLogprobs] | StepFailure:

@@ -1,6 +1,8 @@
-"""The delta channel (actors/delta_channel.py) on loopback, without Ray: what a router's writer sends
-arrives in order, a stranger is refused, each connection has a queue of its own, and the end of a
-connection reaches the router (its requests aborted) and the ingress (its router lost)."""
+"""The delta channel (actors/delta_channel.py) on loopback, without Ray: submits and aborts reach the
+router in order with the connection's queue, what the router's writer sends arrives in order, a
+submit that waits for its grammar is cancelled by an abort that comes first, a stranger is refused,
+each connection has a queue of its own, and the end of a connection reaches the router (its
+requests aborted) and the ingress (its router lost)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,16 @@ class FakeRouter:
         self.attached: list[tuple[str, queue.Queue]] = []
         self.detached: list[tuple[str, queue.Queue]] = []
         self.stop = False
-        self.server = DeltaChannelServer("127.0.0.1", self.attach, self.detach, lambda: self.stop)
+        self.submitted: list[tuple] = []  # (request id, prompt, params, resumed, the connection's queue)
+        self.aborted: list[str] = []
+        self.gate = threading.Event()  # a slow submit (params == "grammar") waits for it
+        self.gate.set()
+        self.server = DeltaChannelServer("127.0.0.1", self.attach, self.detach, lambda: self.stop, self.submit,
+                                         self.aborted.append, slow=lambda params: params == "grammar",
+                                         prepare=lambda params: self.gate.wait(10))
+
+    def submit(self, request_id, prompt_ids, params, resume_ids, target) -> None:
+        self.submitted.append((request_id, prompt_ids, params, resume_ids, target))
 
     def attach(self, subscriber: str) -> queue.Queue:
         target = self.queues[subscriber] = queue.Queue()
@@ -158,3 +169,45 @@ def test_many_steps_from_a_writer_thread_arrive_whole(router):
     tokens = asyncio.run(main())
     assert sorted(tokens) == sorted(f"r{i}" for i in range(32))
     assert all(seen == list(range(2000)) for seen in tokens.values())
+
+
+async def wait_async(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_submits_and_aborts_reach_the_router_in_order_with_the_connections_queue(router):
+    async def main():
+        channel = await DeltaChannel.connect(router.server.address, "ingress-e")
+        channel.submit("r1", [1, 2, 3], "greedy", None)
+        channel.submit("r2", [4], "greedy", [9, 9])
+        channel.abort("r1")
+        await wait_async(lambda: router.aborted == ["r1"])
+        channel.close()
+
+    asyncio.run(main())
+    target = router.queues["ingress-e"]
+    assert [(r, p, s, t) for r, p, s, t, _ in router.submitted] == [("r1", [1, 2, 3], "greedy", None),
+                                                                     ("r2", [4], "greedy", [9, 9])]
+    assert all(q is target for *_, q in router.submitted)
+
+
+def test_a_submit_waiting_for_its_grammar_holds_up_no_other_and_an_abort_first_cancels_it(router):
+    router.gate.clear()
+
+    async def main():
+        channel = await DeltaChannel.connect(router.server.address, "ingress-f")
+        channel.submit("slow", [1], "grammar", None)
+        channel.submit("fast", [2], "greedy", None)
+        channel.submit("slow-aborted", [3], "grammar", None)
+        channel.abort("slow-aborted")
+        await wait_async(lambda: [r for r, *_ in router.submitted] == ["fast"] and router.aborted == ["slow-aborted"])
+        router.gate.set()
+        await wait_async(lambda: len(router.submitted) == 2)
+        await asyncio.sleep(0.2)  # the aborted one would have been submitted by now
+        channel.close()
+
+    asyncio.run(main())
+    assert [r for r, *_ in router.submitted] == ["fast", "slow"]

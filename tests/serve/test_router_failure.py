@@ -114,6 +114,9 @@ def test_router_killed_under_load_loses_no_request(server, tiny_mixtral_dir):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         bodies = list(pool.map(complete, prompts[:8]))
     assert [b["choices"][0]["token_ids"] for b in bodies] == expected[:8]
+    # Both routers serve this replica over its delta channel (actors/delta_channel.py), router 0's
+    # made anew after the kill (the default; tests/serve/test_delta_channel_off.py runs Ray's path).
+    assert [r["delta_channels"] for r in call(server.url, "/admin/placement")["routers"]] == [1, 1]
     with urllib.request.urlopen(f"{server.url}/health", timeout=30) as response:
         assert response.status == 200
 
