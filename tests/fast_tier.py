@@ -58,6 +58,7 @@ FAST_TIER = [
     "tests/actors/test_controller.py::test_skewed_load_is_rebalanced_and_balanced_load_is_left_alone",
     "tests/actors/test_recovery.py::test_a_worker_lost_mid_flight_loses_no_request[no-replicas-killed]",
     "tests/actors/test_router_idle_wait.py::test_a_router_without_work_agrees_at_once_right_after_a_group_step",
+    "tests/actors/test_delta_channel.py",
     "tests/actors/test_heap_freeze.py::test_the_cycles_loading_left_are_collected_before_freezing",
     "tests/actors/test_reload_in_place.py::test_a_cycle_takes_one_row_aside",
     "tests/actors/test_progress_slot.py::test_a_single_reading_decides_busy_or_wedged",
