@@ -17,6 +17,7 @@ This machine's speed drifts by 10-20% between runs and moves every process alike
 one run are what to compare, besides microseconds per token.
 
     python benchmarks/bench_ingress_loop.py [--setting loop|delta_channel] [--pairs 2] [--num-prompts 640]
+                                            [--plot docs/figures/NAME.png]
 """
 
 from __future__ import annotations
@@ -109,11 +110,34 @@ def one_run(setting: str, on: bool, args: argparse.Namespace, work: str, index: 
     return {"on": on, "tok_s": row["output_tok_s"], "us_per_token": cpu, "ratio": ratio}
 
 
+def plot(runs: list[dict], setting: str, path: str) -> None:
+    """Each run's CPU per token by process, stacked, the runs side by side in the order they ran."""
+    import matplotlib  # noqa: PLC0415 (only when asked)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    figure, axes = plt.subplots(figsize=(8, 4.2))
+    bottoms = [0.0] * len(runs)
+    for label in PROCESSES:
+        heights = [run["us_per_token"][label] for run in runs]
+        axes.bar(range(len(runs)), heights, bottom=bottoms, label=label)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    axes.set_xticks(range(len(runs)), [f"{SETTINGS[setting][r['on']].strip()}\n{r['tok_s']:,.0f} tok/s" for r in runs],
+                    fontsize=8)
+    axes.set_ylabel("CPU us per streamed token")
+    axes.set_title(f"raymoe serve 1x1, toy checkpoint, C=32: --setting {setting}, alternating runs")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setting", choices=sorted(SETTINGS), default="loop")
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=640)
+    parser.add_argument("--plot", help="write a PNG of each run's CPU per token by process here")
     args = parser.parse_args()
     ratio_name = "ingress/router" if args.setting == "loop" else "(ingress+router)/worker"
     runs = []
@@ -132,6 +156,9 @@ def main() -> None:
     tok_off = statistics.median(r["tok_s"] for r in runs if not r["on"])
     print(f"{ratio_name}, median: {SETTINGS[args.setting][1].strip()} {on:.2f}, {SETTINGS[args.setting][0].strip()} "
           f"{off:.2f} -> on/off {on / off:.2f}; tok/s median {tok_on:.0f} against {tok_off:.0f} ({tok_on / tok_off:.2f}x)")
+    if args.plot:
+        plot(runs, args.setting, args.plot)
+        print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":
