@@ -28,6 +28,7 @@ inter-token latency, time per output token, output tokens, finish reasons).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, AsyncIterator
 
@@ -41,6 +42,7 @@ from raymoe.engine.engine import RequestOutput
 from raymoe.engine.prompt_logprobs import PromptLogprobs
 from raymoe.engine.sampling_params import SamplingParams
 
+LOG = logging.getLogger("raymoe.ingress")
 ROUTER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 RETRY_PAUSE_S = 0.5  # before moving a request back to a router that already lost it (all have: one may be restarting)
 
@@ -51,6 +53,10 @@ class RouterLost(Exception):
     def __init__(self, cause: BaseException):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.cause = cause
+
+
+class ChannelUnreachable(ConnectionError):
+    """A router's delta channel could not be opened (its port unreachable from this replica)."""
 
 
 def sequence_id(request_id: str, index: int, count: int) -> str:
@@ -67,8 +73,8 @@ class RouterRelay:
         self.metrics = metrics
         self.max_migrations = max_migrations
         self.in_flight = [0] * len(routers)  # this replica's requests on each router
-        # One subscription per router carries every delta of this replica's requests, one
-        # Ray item per step (not one per token per request); a task per router reads it.
+        # One subscription per router carries every delta of this replica's requests, one frame
+        # (or Ray item) per step, not one per token per request; a task per router reads it.
         self.subscriber = new_id("ingress")
         self.channel = channel  # the deltas over a socket of their own (serve.delta_channel), else Ray's stream
         self._waiting: dict[str, tuple[int, asyncio.Queue]] = {}  # request id -> (router, its deltas)
@@ -119,7 +125,14 @@ class RouterRelay:
         channel: DeltaChannel | None = None
         try:
             if self.channel:  # over a socket of its own (actors/delta_channel.py)
-                channel = await DeltaChannel.connect(await handle.delta_channel.remote(), self.subscriber)
+                address = await handle.delta_channel.remote()
+                try:
+                    channel = await DeltaChannel.connect(address, self.subscriber)
+                except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as error:
+                    raise ChannelUnreachable(
+                        f"router {router}'s delta channel at {address.host}:{address.port} could not be opened "
+                        f"({type(error).__name__}: {error}): the ingress must reach the router's node on its "
+                        f"ephemeral ports, or set serve.delta_channel: false") from error
                 self._channels[router] = channel
                 ready.set_result(None)
                 while True:
@@ -136,6 +149,8 @@ class RouterRelay:
             raise
         except Exception as error:  # keep serving: the requests on this router fail over like on a loss
             lost = error
+            if isinstance(error, ChannelUnreachable):
+                LOG.warning("%s", error)
         finally:
             if channel is not None:
                 channel.close()
