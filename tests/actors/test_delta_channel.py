@@ -211,3 +211,38 @@ def test_a_submit_waiting_for_its_grammar_holds_up_no_other_and_an_abort_first_c
 
     asyncio.run(main())
     assert [r for r, *_ in router.submitted] == ["fast", "slow"]
+
+
+def test_a_channel_the_ingress_cannot_open_fails_its_requests_saying_what_to_do(caplog):
+    """A router whose channel port is unreachable (here: nothing listens there): the request fails
+    over like on a lost router, and the failure and the log name the address and the remedy."""
+    from raymoe.actors.router_relay import RouterRelay
+    from raymoe.actors.serving_metrics import ServingMetrics
+    from raymoe.engine.sampling_params import SamplingParams
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    class Remote:
+        def __init__(self, value=None):
+            self.value = value
+
+        def remote(self, *args):
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(self.value)
+            return future
+
+    class UnreachableRouter:
+        delta_channel = Remote(ChannelAddress("127.0.0.1", port, bytes(SECRET_BYTES)))
+        abort = Remote()
+
+    async def main():
+        relay = RouterRelay([UnreachableRouter()], ServingMetrics(4, "m"), max_migrations=0)
+        return [item async for item in relay.deltas([1, 2], SamplingParams(max_tokens=2), "req-1", time.perf_counter())]
+
+    with caplog.at_level("WARNING", logger="raymoe.ingress"):
+        items = asyncio.run(main())
+    assert len(items) == 1 and isinstance(items[0], StepFailure)
+    assert f"127.0.0.1:{port}" in items[0].message and "serve.delta_channel: false" in items[0].message
+    assert any("could not be opened" in record.getMessage() for record in caplog.records)
