@@ -42,6 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from raymoe.kernels.comm.sockets import receive_exactly
+
 LOG = logging.getLogger("raymoe.router")
 
 SECRET_BYTES = 16
@@ -50,6 +52,7 @@ IDLE_WAIT_S = 1.0  # a writer re-checks for shutdown this often
 LENGTH = struct.Struct(">I")
 NAME_LENGTH = struct.Struct(">H")
 SUBMIT, ABORT = "submit", "abort"
+CLOSED_IN_HELLO, CLOSED = "closed before the hello ended", "the ingress closed the delta channel"
 SLOW_SUBMIT_THREADS = 4  # submits with a grammar to compile, at once, per router
 KEEPALIVE = ((socket.TCP_KEEPIDLE, 5), (socket.TCP_KEEPINTVL, 2), (socket.TCP_KEEPCNT, 3)) if hasattr(
     socket, "TCP_KEEPIDLE") else ()
@@ -114,13 +117,13 @@ class DeltaChannelServer:
         with connection:
             try:
                 connection.settimeout(HELLO_TIMEOUT_S)
-                given = _receive_exactly(connection, SECRET_BYTES)
+                given = receive_exactly(connection, SECRET_BYTES, CLOSED_IN_HELLO)
                 if not hmac.compare_digest(given, self.secret):
                     LOG.warning("delta channel: a connection from %s gave a wrong secret; closed",
                                 _peer(connection))
                     return
-                (size,) = NAME_LENGTH.unpack(_receive_exactly(connection, NAME_LENGTH.size))
-                subscriber = _receive_exactly(connection, size).decode()
+                (size,) = NAME_LENGTH.unpack(receive_exactly(connection, NAME_LENGTH.size, CLOSED_IN_HELLO))
+                subscriber = receive_exactly(connection, size, CLOSED_IN_HELLO).decode()
                 connection.settimeout(None)
                 connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except (OSError, ConnectionError, UnicodeDecodeError) as error:
@@ -177,8 +180,8 @@ class DeltaChannelServer:
 
         try:
             while not ended.is_set():
-                (size,) = LENGTH.unpack(_receive_exactly(connection, LENGTH.size))
-                message = pickle.loads(_receive_exactly(connection, size))
+                (size,) = LENGTH.unpack(receive_exactly(connection, LENGTH.size, CLOSED))
+                message = pickle.loads(receive_exactly(connection, size, CLOSED))
                 if message[0] == SUBMIT:
                     if self.slow(message[3]):
                         with lock:
@@ -241,16 +244,6 @@ class DeltaChannel:
 
     def close(self) -> None:
         self.writer.close()
-
-
-def _receive_exactly(connection: socket.socket, size: int) -> bytes:
-    data = bytearray()
-    while len(data) < size:
-        chunk = connection.recv(size - len(data))
-        if not chunk:
-            raise ConnectionError("closed before the hello ended")
-        data += chunk
-    return bytes(data)
 
 
 def _peer(connection: socket.socket) -> str:

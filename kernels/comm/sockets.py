@@ -149,7 +149,7 @@ class SocketCommunicator(PointToPointCommunicator):
                     raise TimeoutError(f"ranks {sorted(set(range(rank + 1, world_size)) - set(peers))} did not connect")
                 connection, _ = listeners[ready[0][0]].accept()
                 connection.settimeout(max(deadline.remaining_s(), 0.001))
-                hello = _receive_exactly(connection, HELLO.size)
+                hello = receive_exactly(connection, HELLO.size)
                 other, their_digest = HELLO.unpack(hello)
                 if their_digest != digest or not rank < other < world_size or other in peers:
                     connection.close()  # not a member of this group (or a duplicate): refused
@@ -447,11 +447,13 @@ def _tune(connection: socket.socket) -> None:
         connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # latency over batching
 
 
-def _receive_exactly(connection: socket.socket, size: int) -> bytes:
+def receive_exactly(connection: socket.socket, size: int,
+                    closed: str = "the connecting rank closed the connection before saying who it is") -> bytes:
+    """``size`` bytes from a blocking socket; ``ConnectionError(closed)`` if it closes first."""
     data = bytearray()
     while len(data) < size:
         chunk = connection.recv(size - len(data))
         if not chunk:
-            raise ConnectionError("the connecting rank closed the connection before saying who it is")
+            raise ConnectionError(closed)
         data += chunk
     return bytes(data)
