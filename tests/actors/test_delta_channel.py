@@ -52,6 +52,7 @@ def router():
     yield fake
     fake.stop = True
     fake.server.close()
+    wait_for(lambda: fake.server.connections == 0)  # its writer threads gone (within their 1 s idle wait)
 
 
 def delta(request_id: str, token: int, finished: bool = False) -> TokenDelta:

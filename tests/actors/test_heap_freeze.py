@@ -21,7 +21,8 @@ def test_freezing_moves_every_live_object_out_of_the_collectors_reach(unfrozen, 
     monkeypatch.delenv(heap_freeze.ENV, raising=False)
     loaded = [[i] for i in range(10_000)]  # what "loading" built: containers the collector tracks
     frozen = heap_freeze.freeze_loaded_heap()
-    assert frozen == gc.get_freeze_count() and frozen > len(loaded)
+    # (another thread of the process may free a frozen object meanwhile: the count only falls)
+    assert frozen >= gc.get_freeze_count() > len(loaded)
     # A collection walks only what came after: none of what was loaded, far fewer than were frozen.
     after = [[i] for i in range(100)]
     walked = {id(o) for o in gc.get_objects()}
