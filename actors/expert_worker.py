@@ -392,6 +392,8 @@ class ExpertWorker:
             "migration_joins": self.migration_joins,
             "generation": self.generation,
             "serving": self.exchange is not None,
+            # NativeWorkerExchange (a layer in one C call) or PythonWorkerExchange (engine/exchange/ep_exchange.py)
+            "exchange_side": type(self.exchange).__name__ if self.exchange is not None else None,
             "steps_served": self.steps_served,
             "last_error": self.last_error,
         }

@@ -19,15 +19,25 @@ import array
 
 import torch
 
-from raymoe.kernels.comm.wire import INFO_FIELDS
+from raymoe.kernels import native_bf16
+from raymoe.kernels.comm.wire import INFO_FIELDS, LayerFlag
 from raymoe.kernels.native_cpu import packed_experts
 from raymoe.kernels.native_library import STATE, unavailable_reason
 
 
 def applies(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the layer calls take rows of ``dtype`` on ``device``: float32 on the CPU, with the
-    native library loaded (the transport must lend its sockets too: the caller checks that)."""
+    """Whether the router's layer calls take rows of ``dtype`` on ``device``: float32 on the CPU, with
+    the native library loaded (the transport must lend its sockets too: the caller checks that)."""
     return STATE.enabled and device.type == "cpu" and dtype == torch.float32 and unavailable_reason() is None
+
+
+def worker_applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether :func:`worker_layer` takes rows of ``dtype`` on ``device``: the router's calls'
+    float32, or bfloat16 where the bfloat16 kernels run here (its experts are theirs; each
+    assignment's output goes back, as ``RowFormat.per_assignment`` says)."""
+    if dtype == torch.bfloat16:
+        return STATE.enabled and device.type == "cpu" and native_bf16.bf16_unavailable_reason() is None
+    return applies(dtype, device)
 
 
 def new_info() -> array.array:
@@ -40,18 +50,24 @@ def worker_layer(fds: array.array, wake_fd: int, recv_numbers: array.array, send
                  epochs: array.array, maps: torch.Tensor | None, w13: torch.Tensor | None, w2: torch.Tensor | None,
                  hidden: int, top_k: int, timeout_s: float, info: array.array) -> int:
     """One MoE layer of a worker in one call: read every router's header and rows, run the
-    experts as kernels/native_cpu.py::run_rows does, send each router its sums and trailer.
+    experts as kernels/native_cpu.py::run_rows does, send each router its sums and trailer (with
+    bfloat16 stacks: as engine/experts.py::run_assignments does, each assignment's output back).
     ``fds`` (int32) the routers' sockets in rank order; ``recv_numbers`` / ``send_numbers``
     (int64) the next message numbers, advanced in place; ``headers`` (int64, R x (HEADER_FIELDS
     + S)) read here unless ``flags`` (``wire.LayerFlag``) says given; ``epochs`` (int64) and
     ``maps`` (``[Ne, S]`` int64) the pool row of each local slot per epoch served; ``w13``, ``w2``
     the layer's experts (None with ``HEADERS_ONLY``). Returns the status, details in ``info``.
-    Releases the GIL while it runs (native_cpu.experts_apply checked by the caller)."""
+    Releases the GIL while it runs (native_cpu.experts_apply, or native_bf16.experts_apply, checked
+    by the caller)."""
     if w13 is None:
         packed13 = packed2 = maps = None
         pool, intermediate = 0, 0
     else:
-        packed13, packed2 = packed_experts(w13, w2)
+        if w13.dtype == torch.bfloat16:  # read where they lie (no packed copy), by the kernels this CPU runs
+            packed13, packed2 = w13.contiguous(), w2.contiguous()
+            flags |= LayerFlag.BF16 | (LayerFlag.AMX if native_bf16.instructions() == "amx" else 0)
+        else:
+            packed13, packed2 = packed_experts(w13, w2)
         maps = maps.contiguous()
         pool, intermediate = w13.shape[0], w2.shape[2]
     pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731

@@ -35,14 +35,15 @@ a transport with ``native_routines``, the sockets one). The two send the same me
 same order, so a group may mix them.
 
 A worker runs its experts in exactly three ways, each for a reason:
-1. the native layer (float32 CPU over sockets, one serving thread): headers, rows, experts
-   (``raymoe_run_rows``) and sums in one C call, no Python per message;
+1. the native layer (a float32 or bfloat16 CPU over sockets, one serving thread): headers, rows,
+   experts (``raymoe_run_rows``; in bfloat16 ``raymoe_bf16_run_assignments``, each assignment's
+   output back) and sums in one C call, no Python per message;
 2. the Python layer with ``raymoe_run_rows`` (float32 CPU with the native kernels and one
    serving thread, over a transport without native routines: gloo): the same experts call on
    rows that Python received;
 3. the Python layer with engine/experts.py::run_rows (expert threads, ``cpu.worker_threads``
-   > 1, which split a layer's experts over cores; GPUs; bf16; shapes the native kernel does not
-   take): a grouped SwiGLU whose kernel kernels/expert_mlp.py picks.
+   > 1, which split a layer's experts over cores; GPUs; bf16 over gloo; shapes the native kernel
+   does not take): a grouped SwiGLU whose kernel kernels/expert_mlp.py picks.
 1 and 2 run the same C function and 2 and 3 give the same bits where both apply.
 """
 
@@ -80,9 +81,16 @@ def worker_exchange(comm: Communicator, layout: GroupLayout, slots_per_worker: i
     connections, the native library takes these rows and the experts' sizes, and no threads run
     experts beside the serving one (``executor``: the native layer runs them on its own); else
     Python's."""
-    native = (comm.native_routines and executor is None and native_exchange.applies(dtype, device)
-              and native_cpu.experts_fit(dtype, device, hidden_size, intermediate_size))
+    native = (comm.native_routines and executor is None and native_exchange.worker_applies(dtype, device)
+              and _experts_fit(dtype, device, hidden_size, intermediate_size))
     if native:
         return NativeWorkerExchange(comm, layout, slots_per_worker, hidden_size, top_k, dtype, device)
     return PythonWorkerExchange(comm, layout, slots_per_worker, hidden_size, top_k, dtype, device, executor,
                                 intermediate_size=intermediate_size)
+
+
+def _experts_fit(dtype: torch.dtype, device: torch.device, hidden_size: int, intermediate_size: int) -> bool:
+    """Whether the native layer's experts take these sizes in ``dtype`` (asked of stand-ins: no memory)."""
+    if dtype == torch.bfloat16:  # (native_bf16.experts_apply's sizes; the stacks are contiguous pools)
+        return hidden_size % 32 == 0 and intermediate_size % 32 == 0 and native_exchange.worker_applies(dtype, device)
+    return native_cpu.experts_fit(dtype, device, hidden_size, intermediate_size)

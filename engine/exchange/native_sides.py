@@ -1,5 +1,5 @@
 """Both sides of the exchange in one native call per layer (kernels/csrc/cpu_exchange.c through
-kernels/native_exchange.py): float32 CPUs over a transport that lends native code its
+kernels/native_exchange.py): float32 CPUs (a worker: bfloat16 too) over a transport that lends native code its
 connections (``comm.native_routines``: the sockets transport). The messages, their numbering and
 the errors are engine/exchange/python_sides.py's, so a group may mix the two
 (tests/engine/test_ep_native_layer.py). A router may go further and hand the native side the

@@ -172,6 +172,8 @@ class LayerFlag(enum.IntFlag):
     HEADERS_GIVEN = 1  # the headers were read by an earlier call (HEADERS_ONLY)
     HEADERS_ONLY = 2  # read and check this layer's headers, nothing else
     FIRST_LAYER = 4  # an idle tick from every router is allowed here
+    BF16 = 8  # bfloat16 rows; each assignment's output goes back (RowFormat.per_assignment)
+    AMX = 16  # with BF16: the experts on AMX's kernels (kernels/native_bf16.py::instructions)
 
 
 class Part(enum.IntFlag):

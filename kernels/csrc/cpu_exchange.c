@@ -9,6 +9,9 @@
  *   3. every router's rows through the experts at once (raymoe_run_rows, cpu_f32.c);
  *   4. to each router its rows' weighted sums, then the trailer (float64 expert seconds, int64
  *      combine tag checksum).
+ * With FLAG_BF16 the rows carry D bfloat16 activations, the experts are cpu_bf16.c's
+ * (raymoe_bf16_run_assignments; AMX's with FLAG_AMX) and each router gets each of its assignments'
+ * outputs, unweighted, in (row, position) order (kernels/comm/wire.py::RowFormat.per_assignment).
  *
  * A router's side (raymoe_router_layer): its plan's headers and rows to every worker, then every
  * worker's sums and trailer into one buffer (the combine and the trailers' checks stay in Python).
@@ -41,6 +44,12 @@
 int64_t raymoe_run_rows(const uint8_t *payload, int64_t N, int64_t row_bytes, int64_t D, int64_t I, int64_t k,
                         const int64_t *maps, const int64_t *seg_rows, int64_t segments, int64_t S,
                         const float *w13, const float *w2, int64_t P, int64_t expected, float *out);
+/* cpu_bf16.c's, where the library was built with it (weak: NULL where the compiler could not build
+ * that file; FLAG_BF16 is then refused, and the Python side never sets it: native_exchange.py). */
+__attribute__((weak)) int64_t raymoe_bf16_run_assignments(
+    const uint8_t *payload, int64_t N, int64_t row_bytes, int64_t D, int64_t I, int64_t k, const int64_t *maps,
+    const int64_t *seg_rows, int64_t segments, int64_t S, const uint16_t *w13, const uint16_t *w2, int64_t P,
+    int64_t expected, int64_t amx, uint16_t *out);
 
 typedef int64_t frame_t[2]; /* a message's frame: its number, its byte count */
 struct trailer {              /* after a worker's sums to a router */
@@ -173,7 +182,8 @@ static int write_all(int fd, int wake_fd, int64_t deadline_ns, struct iovec *iov
  * with FLAG_HEADERS_ONLY, which returns STATUS_HEADERS_READ once they check out). FLAG_FIRST_LAYER: an
  * idle tick from every router is allowed (returns STATUS_IDLE). epochs [E] and maps [E][S]: the pool row
  * serving each local slot in each placement epoch this worker serves. w13/w2: the layer's
- * packed experts (P pool rows, hidden D, intermediate I, k positions a row).
+ * packed experts (P pool rows, hidden D, intermediate I, k positions a row); with FLAG_BF16 its
+ * bfloat16 stacks as they lie ([P][2I][D], [P][D][I]).
  *
  * Returns STATUS_DONE with info[ROWS], info[ASSIGNMENTS], info[COMPUTE_NS]; STATUS_IDLE; STATUS_HEADERS_READ; or
  *   STATUS_TIMEOUT, STATUS_LOST (info[A]: errno or 0), STATUS_FRAME (info[A], info[B]: the frame got;
@@ -185,7 +195,7 @@ int64_t raymoe_worker_layer(
     const int32_t *fds, int64_t R, int32_t wake_fd, int64_t *recv_numbers, int64_t *send_numbers,
     int64_t *headers, int64_t S, int64_t flags, int64_t dispatch_checksum, int64_t combine_checksum,
     const int64_t *epochs, int64_t E, const int64_t *maps,
-    const float *w13, const float *w2, int64_t P, int64_t D, int64_t I, int64_t k, int64_t timeout_ns,
+    const void *w13, const void *w2, int64_t P, int64_t D, int64_t I, int64_t k, int64_t timeout_ns,
     int64_t *info) {
     for (int i = 0; i < INFO_FIELDS; i++) info[i] = 0;
     info[INFO_PEER] = -1;
@@ -220,9 +230,11 @@ int64_t raymoe_worker_layer(
         if (step != R && !(split == R && (flags & FLAG_FIRST_LAYER))) return STATUS_KINDS;
         if (flags & FLAG_HEADERS_ONLY) return STATUS_HEADERS_READ;
     }
-    if (!w13 || !w2 || !maps || P <= 0 || I <= 0) return STATUS_ARGUMENTS;
+    const int bf16 = (flags & FLAG_BF16) != 0;
+    if (!w13 || !w2 || !maps || P <= 0 || I <= 0 || (bf16 && !raymoe_bf16_run_assignments)) return STATUS_ARGUMENTS;
     /* Sizes, and each router's pool rows by its epoch. */
-    const int64_t row_bytes = ROW_BYTES(D, k);
+    const int64_t act = bf16 ? 2 : 4; /* bytes of an activation */
+    const int64_t row_bytes = act * D + (SLOT_BYTES + WEIGHT_BYTES) * k;
     int64_t total = 0, segments = 0, expected = 0;
     int64_t *seg_rows = malloc(sizeof(int64_t) * (size_t)R);
     int64_t *seg_maps = malloc(sizeof(int64_t) * (size_t)(R * S));
@@ -244,9 +256,11 @@ int64_t raymoe_worker_layer(
         total += header[HEADER_ROWS];
         for (int64_t s = 0; s < S; s++) expected += header[HEADER_FIELDS + s];
     }
-    /* Rows in, router by router; sums out, one message a router (its rows' sums, then the trailer). */
+    /* Rows in, router by router; out, one message a router: its rows' sums (or its assignments'
+     * outputs), then the trailer. */
+    const int64_t outputs = bf16 ? expected : total;
     uint8_t *payload = malloc((size_t)(total ? total : 1) * (size_t)row_bytes);
-    float *sums = malloc(sizeof(float) * (size_t)((total ? total : 1) * D));
+    uint8_t *sums = malloc((size_t)(act * (outputs ? outputs : 1) * D));
     if (!payload || !sums) { free(seg_rows); free(seg_maps); free(payload); free(sums); return STATUS_MEMORY; }
     int64_t offset = 0;
     status = 0;
@@ -265,18 +279,25 @@ int64_t raymoe_worker_layer(
     if (!status && total) {
         info[INFO_PEER] = -1;
         int64_t started = now_ns();
-        assignments = raymoe_run_rows(payload, total, row_bytes, D, I, k, seg_maps, seg_rows, segments, S,
-                                      w13, w2, P, expected, sums);
+        assignments = bf16 ? raymoe_bf16_run_assignments(payload, total, row_bytes, D, I, k, seg_maps, seg_rows,
+                                                         segments, S, w13, w2, P, expected,
+                                                         (flags & FLAG_AMX) != 0, (uint16_t *)sums)
+                           : raymoe_run_rows(payload, total, row_bytes, D, I, k, seg_maps, seg_rows, segments, S,
+                                             w13, w2, P, expected, (float *)sums);
         compute_ns = now_ns() - started;
         if (assignments < 0) status = (int)assignments;
     }
     offset = 0;
     info[INFO_SENDING] = 1;
     for (int64_t r = 0; r < R && !status; r++) {
-        int64_t rows = headers[r * width + HEADER_ROWS];
+        int64_t rows = headers[r * width + HEADER_ROWS]; /* its rows, or (FLAG_BF16) its assignments */
+        if (bf16 && rows) {
+            rows = 0;
+            for (int64_t s = 0; s < S; s++) rows += headers[r * width + HEADER_FIELDS + s];
+        }
         struct trailer trailer = {(double)compute_ns * 1e-9, combine_checksum};
-        frame_t frame = {send_numbers[r], rows * 4 * D + (int64_t)sizeof trailer};
-        struct iovec parts[3] = {{frame, sizeof frame}, {sums + offset * D, (size_t)(rows * 4 * D)},
+        frame_t frame = {send_numbers[r], rows * act * D + (int64_t)sizeof trailer};
+        struct iovec parts[3] = {{frame, sizeof frame}, {sums + offset * act * D, (size_t)(rows * act * D)},
                                  {&trailer, sizeof trailer}};
         info[INFO_PEER] = r;
         status = write_all(fds[r], wake_fd, deadline, parts, 3, info);

@@ -149,6 +149,7 @@ def test_bfloat16_outputs_equal_the_in_process_engine_bit_for_bit(arch, ray_sess
     try:
         infos = ray.get([worker.info.remote() for worker in deployment.workers])
         assert {i["expert_kernel"] for i in infos} == {native_bf16.KERNEL}  # the row-invariant kernels ran
+        assert {i["exchange_side"] for i in infos} == {"NativeWorkerExchange"}  # in one C call a layer
         for router in range(len(deployment.routers)):
             for ours, want in zip(deployment.score(batch, router=router), logits):
                 assert torch.equal(ours, want), (router, (ours - want).abs().max().item())

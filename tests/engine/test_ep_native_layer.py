@@ -72,20 +72,22 @@ def sockets_group(world_size: int, timeout_s: float = 10.0) -> list[SocketCommun
 
 
 def router_side(comm: SocketCommunicator, layout: GroupLayout, index: int, num_workers: int, slots: int,
-                native: bool = True):
+                native: bool = True, dtype: torch.dtype = torch.float32):
     """A router's side as the factory picks it (native: sockets, float32 on a CPU with the native
-    kernels), or the Python one over the same communicator."""
-    chosen = router_exchange(comm, layout, index, num_workers, slots, TOP_K, HIDDEN, torch.float32, CPU)
-    assert isinstance(chosen, NativeRouterExchange)
+    kernels; Python's in bfloat16), or the Python one over the same communicator."""
+    chosen = router_exchange(comm, layout, index, num_workers, slots, TOP_K, HIDDEN, dtype, CPU)
+    assert isinstance(chosen, NativeRouterExchange if dtype == torch.float32 else PythonRouterExchange)
     return chosen if native else PythonRouterExchange(comm, layout, index, num_workers, slots, TOP_K, HIDDEN,
-                                                      torch.float32, CPU)
+                                                      dtype, CPU)
 
 
-def worker_side(comm: SocketCommunicator, layout: GroupLayout, slots: int, native: bool = True):
-    """A worker's side as the factory picks it (native), or the Python one over the same communicator."""
-    chosen = worker_exchange(comm, layout, slots, HIDDEN, TOP_K, torch.float32, CPU, intermediate_size=INTER)
+def worker_side(comm: SocketCommunicator, layout: GroupLayout, slots: int, native: bool = True,
+                dtype: torch.dtype = torch.float32):
+    """A worker's side as the factory picks it (native, in float32 and bfloat16), or the Python one
+    over the same communicator."""
+    chosen = worker_exchange(comm, layout, slots, HIDDEN, TOP_K, dtype, CPU, intermediate_size=INTER)
     assert isinstance(chosen, NativeWorkerExchange)
-    return chosen if native else PythonWorkerExchange(comm, layout, slots, HIDDEN, TOP_K, torch.float32, CPU,
+    return chosen if native else PythonWorkerExchange(comm, layout, slots, HIDDEN, TOP_K, dtype, CPU,
                                                       intermediate_size=INTER)
 
 
@@ -111,15 +113,16 @@ def run_threads(targets: list) -> list:
     return results
 
 
-def worker_weights(workers: int, slots: int, spare: int = 2):
+def worker_weights(workers: int, slots: int, spare: int = 2, dtype: torch.dtype = torch.float32):
     generator = torch.Generator().manual_seed(7)
-    return [[(torch.randn(slots + spare, 2 * INTER, HIDDEN, generator=generator) / 8,
-              torch.randn(slots + spare, HIDDEN, INTER, generator=generator) / 8) for _ in range(LAYERS)]
+    return [[((torch.randn(slots + spare, 2 * INTER, HIDDEN, generator=generator) / 8).to(dtype),
+              (torch.randn(slots + spare, HIDDEN, INTER, generator=generator) / 8).to(dtype)) for _ in range(LAYERS)]
             for _ in range(workers)]
 
 
 def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list[dict],
-                   native_routers: bool | None = None, empty_at_once: bool = False, one_call: bool = False) -> list:
+                   native_routers: bool | None = None, empty_at_once: bool = False, one_call: bool = False,
+                   dtype: torch.dtype = torch.float32) -> list:
     """Every router's outputs of every step and layer (plus the workers' row counts), with the
     workers on the native path or the Python one (the routers too, unless ``native_routers``
     says otherwise). ``steps``: per step the epoch the routers use, each router's token count
@@ -128,13 +131,14 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
     without rows go layer by layer through ``exchange`` with no plan, or, with
     ``empty_at_once``, all of a step's in one ``exchange_empty`` (the router's step end). With
     ``one_call`` a native router's layers with rows go through ``moe_layer`` (plan, exchange and
-    combine in one native call) instead of a Python plan and ``exchange``."""
+    combine in one native call) instead of a Python plan and ``exchange``. In bfloat16 (``dtype``)
+    the routers are Python's (the native router takes float32 only): pass ``native_routers=False``."""
     placement = initial_placement(num_layers=LAYERS, num_experts=EXPERTS, num_workers=num_workers,
                                   strategy="round_robin", redundant_slots_per_worker=1)
     slots = placement.slots_per_worker
     layout = GroupLayout(num_routers, tuple(range(num_workers)))
     comms = sockets_group(layout.world_size)
-    weights = worker_weights(num_workers, slots)
+    weights = worker_weights(num_workers, slots, dtype=dtype)
     # epoch 0: slot s in pool row s; epoch 1: the slots staged into pool rows in another order
     staged = [slots + 1] + list(range(1, slots - 1)) + [slots, 0]
     pool = {0: list(range(slots)), 1: staged[:slots]}
@@ -151,7 +155,7 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
         return counted
 
     def router(index: int):
-        exchange = router_side(comms[index], layout, index, num_workers, slots, native_routers)
+        exchange = router_side(comms[index], layout, index, num_workers, slots, native_routers, dtype)
         generator = torch.Generator().manual_seed(100 + index)
         outputs = []
         for step in steps:
@@ -161,7 +165,7 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
             tokens = step["tokens"][index]
             empty_from = empty_layer(step, index) if empty_at_once else LAYERS
             for layer in range(LAYERS):
-                hidden = torch.randn(max(tokens, 1), HIDDEN, generator=generator)[:tokens]
+                hidden = torch.randn(max(tokens, 1), HIDDEN, generator=generator)[:tokens].to(dtype)
                 ids = torch.stack([torch.randperm(EXPERTS, generator=generator)[:TOP_K] for _ in range(tokens)]) \
                     if tokens else torch.zeros(0, TOP_K, dtype=torch.int64)
                 gates = torch.rand(tokens, TOP_K, generator=generator)
@@ -189,7 +193,7 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
         return outputs
 
     def worker(position: int):
-        exchange = worker_side(comms[num_routers + position], layout, slots, native)
+        exchange = worker_side(comms[num_routers + position], layout, slots, native, dtype)
         served = []
         for step in steps:
             headers = exchange.receive_headers(0)
@@ -254,6 +258,22 @@ def test_native_layer_equals_the_python_path_bit_for_bit(routers, workers, nativ
     native = run_deployment(routers, workers, native_workers, steps, native_routers)
     python = run_deployment(routers, workers, False, steps)
     assert_same_outputs(native, python, routers, workers)
+
+
+@pytest.mark.skipif(native_library.bf16_unavailable_reason() is not None,
+                    reason=f"bfloat16 kernels unavailable: {native_library.bf16_unavailable_reason()}")
+@pytest.mark.parametrize("routers, workers", [(1, 1), (1, 2), (2, 2)])
+def test_a_native_bf16_worker_gives_the_python_workers_outputs_bit_for_bit(routers, workers):
+    """bfloat16 rows: the native worker layer (raymoe_bf16_run_assignments) sends each router each
+    of its assignments' outputs, the bits the Python worker's run_assignments sends, through the
+    Python routers' combine; a staged epoch, idle ticks and a router without rows included."""
+    steps = [{**s, "tokens": s["tokens"][:routers]} if "tokens" in s else s for s in STEPS]
+    if routers == 1:
+        steps = [s for s in steps if s.get("idle") or s["tokens"][0]]
+    native = run_deployment(routers, workers, True, steps, False, dtype=torch.bfloat16)
+    python = run_deployment(routers, workers, False, steps, False, dtype=torch.bfloat16)
+    assert_same_outputs(native, python, routers, workers)
+    assert all(out.dtype == torch.bfloat16 for out in native[0] if out is not None)
 
 
 def assert_same_outputs(got_all: list, expected_all: list, routers: int, workers: int) -> None:
@@ -632,7 +652,11 @@ def test_the_factory_picks_the_python_sides_where_the_native_layer_does_not_appl
     assert router(sockets) is NativeRouterExchange and worker(sockets) is NativeWorkerExchange
     assert router(gloo) is PythonRouterExchange and worker(gloo) is PythonWorkerExchange
     assert router(sockets, torch.bfloat16) is PythonRouterExchange
-    assert worker(sockets, torch.bfloat16) is PythonWorkerExchange
+    bf16_native = native_library.bf16_unavailable_reason() is None
+    assert worker(sockets, torch.bfloat16) is (NativeWorkerExchange if bf16_native else PythonWorkerExchange)
+    assert worker(gloo, torch.bfloat16) is PythonWorkerExchange
+    assert worker(sockets, torch.bfloat16, intermediate=48) is PythonWorkerExchange  # I not a multiple of 32
+    assert worker(sockets, torch.float16) is PythonWorkerExchange
     with ThreadPoolExecutor(1) as threads:
         assert worker(sockets, executor=threads) is PythonWorkerExchange  # expert threads
     assert worker(sockets, intermediate=40) is PythonWorkerExchange  # I not a multiple of 16
