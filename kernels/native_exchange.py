@@ -26,17 +26,25 @@ from raymoe.kernels.native_library import STATE, unavailable_reason
 
 
 def applies(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the router's layer calls take rows of ``dtype`` on ``device``: float32 on the CPU, with
-    the native library loaded (the transport must lend its sockets too: the caller checks that)."""
+    """Whether every layer call takes rows of ``dtype`` on ``device``: float32 on the CPU, with the
+    native library loaded (the transport must lend its sockets too: the caller checks that)."""
     return STATE.enabled and device.type == "cpu" and dtype == torch.float32 and unavailable_reason() is None
 
 
-def worker_applies(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether :func:`worker_layer` takes rows of ``dtype`` on ``device``: the router's calls'
-    float32, or bfloat16 where the bfloat16 kernels run here (its experts are theirs; each
-    assignment's output goes back, as ``RowFormat.per_assignment`` says)."""
+def router_applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a router's messages (:func:`router_layer`, :func:`router_empty_layers`) take rows of
+    ``dtype``: float32, or bfloat16 (bytes to them; :func:`router_moe_layer` stays float32's)."""
     if dtype == torch.bfloat16:
-        return STATE.enabled and device.type == "cpu" and native_bf16.bf16_unavailable_reason() is None
+        return STATE.enabled and device.type == "cpu" and unavailable_reason() is None
+    return applies(dtype, device)
+
+
+def worker_applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether :func:`worker_layer` takes rows of ``dtype`` on ``device``: float32, or bfloat16 where
+    the bfloat16 kernels run here (its experts are theirs; each assignment's output goes back, as
+    ``RowFormat.per_assignment`` says)."""
+    if dtype == torch.bfloat16:
+        return router_applies(dtype, device) and native_bf16.bf16_unavailable_reason() is None
     return applies(dtype, device)
 
 

@@ -68,8 +68,8 @@ def router_exchange(comm: Communicator, layout: GroupLayout, router_index: int, 
                     slots_per_worker: int, top_k: int, hidden_size: int, dtype: torch.dtype,
                     device: torch.device) -> RouterExchange:
     """A router's side over ``comm``: the native one where the transport lends native code its
-    connections and the native library takes these rows (float32 on the CPU), else Python's."""
-    native = comm.native_routines and native_exchange.applies(dtype, device)
+    connections and the native library takes these rows (float32 or bfloat16 on the CPU), else Python's."""
+    native = comm.native_routines and native_exchange.router_applies(dtype, device)
     side = NativeRouterExchange if native else PythonRouterExchange
     return side(comm, layout, router_index, num_workers, slots_per_worker, top_k, hidden_size, dtype, device)
 

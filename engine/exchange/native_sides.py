@@ -1,5 +1,5 @@
 """Both sides of the exchange in one native call per layer (kernels/csrc/cpu_exchange.c through
-kernels/native_exchange.py): float32 CPUs (a worker: bfloat16 too) over a transport that lends native code its
+kernels/native_exchange.py): float32 and bfloat16 CPUs (a router's whole layer in one call: float32) over a transport that lends native code its
 connections (``comm.native_routines``: the sockets transport). The messages, their numbering and
 the errors are engine/exchange/python_sides.py's, so a group may mix the two
 (tests/engine/test_ep_native_layer.py). A router may go further and hand the native side the
@@ -63,9 +63,21 @@ class NativeRouterExchange(RouterExchange):
                              array.array("q", (0,)), array.array("d", (0.0,)), native_exchange.new_info())
 
     def _transfer_layer(self, pending: PendingExchange, parts: Part) -> None:
+        counts, slot_counts = array.array("q", pending.counts), array.array("q", pending.slot_counts)
+        if self.format.per_assignment and parts & Part.RECEIVE:
+            # What comes back is each worker's assignments, not its rows: the receive is its own call,
+            # sized by them (raymoe_router_layer reads ``counts[w]`` replies of combine_row_bytes).
+            if parts & Part.SEND:
+                self._router_layer(pending, Part.SEND, counts, slot_counts)
+            back = array.array("q", self.rows_back(pending.counts, pending.slot_counts))
+            self._router_layer(pending, Part.RECEIVE, back, slot_counts)
+            return
+        self._router_layer(pending, parts, counts, slot_counts)
+
+    def _router_layer(self, pending: PendingExchange, parts: Part, counts: array.array,
+                      slot_counts: array.array) -> None:
         tag, checksum, _, _ = layer_tags(pending.layer)
         timeout_s = self.comm.timeout_s
-        counts, slot_counts = array.array("q", pending.counts), array.array("q", pending.slot_counts)
         self._run(tag, "raymoe_router_layer", timeout_s, lambda fds, wake, numbers, sent, info: (
             native_exchange.router_layer(
                 fds, self._workers_in_rank_order, wake, numbers, sent, counts, slot_counts, self.slots_per_worker,

@@ -73,10 +73,10 @@ def sockets_group(world_size: int, timeout_s: float = 10.0) -> list[SocketCommun
 
 def router_side(comm: SocketCommunicator, layout: GroupLayout, index: int, num_workers: int, slots: int,
                 native: bool = True, dtype: torch.dtype = torch.float32):
-    """A router's side as the factory picks it (native: sockets, float32 on a CPU with the native
-    kernels; Python's in bfloat16), or the Python one over the same communicator."""
+    """A router's side as the factory picks it (native: sockets, float32 or bfloat16 on a CPU with the
+    native library), or the Python one over the same communicator."""
     chosen = router_exchange(comm, layout, index, num_workers, slots, TOP_K, HIDDEN, dtype, CPU)
-    assert isinstance(chosen, NativeRouterExchange if dtype == torch.float32 else PythonRouterExchange)
+    assert isinstance(chosen, NativeRouterExchange)
     return chosen if native else PythonRouterExchange(comm, layout, index, num_workers, slots, TOP_K, HIDDEN,
                                                       dtype, CPU)
 
@@ -131,8 +131,8 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
     without rows go layer by layer through ``exchange`` with no plan, or, with
     ``empty_at_once``, all of a step's in one ``exchange_empty`` (the router's step end). With
     ``one_call`` a native router's layers with rows go through ``moe_layer`` (plan, exchange and
-    combine in one native call) instead of a Python plan and ``exchange``. In bfloat16 (``dtype``)
-    the routers are Python's (the native router takes float32 only): pass ``native_routers=False``."""
+    combine in one native call) instead of a Python plan and ``exchange``. In bfloat16 (``dtype``) a
+    native router's layer is two calls (the send, then the receive sized by the assignments)."""
     placement = initial_placement(num_layers=LAYERS, num_experts=EXPERTS, num_workers=num_workers,
                                   strategy="round_robin", redundant_slots_per_worker=1)
     slots = placement.slots_per_worker
@@ -225,7 +225,8 @@ def run_deployment(num_routers: int, num_workers: int, native: bool, steps: list
     with_rows = sum(empty_layer(step, r) for step in steps if not step.get("idle") for r in range(num_routers))
     one_calls = with_rows if native_routers and one_call else 0
     assert calls["moe"] == one_calls
-    assert calls["router"] == (routed - one_calls if native_routers else 0)
+    per_layer = 2 if dtype == torch.bfloat16 else 1  # (each assignment's output back: its own receive)
+    assert calls["router"] == ((routed - one_calls) * per_layer if native_routers else 0)
     at_once = sum(empty_at_once and empty_layer(step, r) < LAYERS
                   for step in steps if not step.get("idle") for r in range(num_routers))
     assert calls["empty"] == (at_once if native_routers else 0)  # one native call per step end
@@ -262,15 +263,18 @@ def test_native_layer_equals_the_python_path_bit_for_bit(routers, workers, nativ
 
 @pytest.mark.skipif(native_library.bf16_unavailable_reason() is not None,
                     reason=f"bfloat16 kernels unavailable: {native_library.bf16_unavailable_reason()}")
-@pytest.mark.parametrize("routers, workers", [(1, 1), (1, 2), (2, 2)])
-def test_a_native_bf16_worker_gives_the_python_workers_outputs_bit_for_bit(routers, workers):
+@pytest.mark.parametrize("routers, workers, native_workers, native_routers",
+                         [(1, 1, True, True), (1, 2, True, False), (2, 2, True, True), (2, 2, False, True)])
+def test_native_bf16_sides_give_the_python_sides_outputs_bit_for_bit(routers, workers, native_workers,
+                                                                     native_routers):
     """bfloat16 rows: the native worker layer (raymoe_bf16_run_assignments) sends each router each
-    of its assignments' outputs, the bits the Python worker's run_assignments sends, through the
-    Python routers' combine; a staged epoch, idle ticks and a router without rows included."""
+    of its assignments' outputs, the bits the Python worker's run_assignments sends, and the native
+    router's messages (its receive sized by the assignments) carry them to the same combine; a
+    staged epoch, idle ticks and a router without rows included, every mix of the sides."""
     steps = [{**s, "tokens": s["tokens"][:routers]} if "tokens" in s else s for s in STEPS]
     if routers == 1:
         steps = [s for s in steps if s.get("idle") or s["tokens"][0]]
-    native = run_deployment(routers, workers, True, steps, False, dtype=torch.bfloat16)
+    native = run_deployment(routers, workers, native_workers, steps, native_routers, dtype=torch.bfloat16)
     python = run_deployment(routers, workers, False, steps, False, dtype=torch.bfloat16)
     assert_same_outputs(native, python, routers, workers)
     assert all(out.dtype == torch.bfloat16 for out in native[0] if out is not None)
@@ -636,8 +640,9 @@ def test_a_worker_that_dies_is_a_lost_peer(call):
 
 def test_the_factory_picks_the_python_sides_where_the_native_layer_does_not_apply():
     """Chosen once at join: the native sides only over a transport that lends native code its
-    connections, float32 on a CPU with the native kernels, and (a worker) one serving thread and
-    expert sizes the kernel takes; the Python sides everywhere else."""
+    connections, float32 on a CPU with the native kernels (bfloat16 too: a router's messages, and a
+    worker's layer where the bfloat16 kernels run), and (a worker) one serving thread and expert
+    sizes the kernel takes; the Python sides everywhere else."""
     layout = GroupLayout(1, (0,))
     sockets, gloo = SimpleNamespace(native_routines=True, timeout_s=1.0), SimpleNamespace(native_routines=False,
                                                                                            timeout_s=1.0)
@@ -651,7 +656,8 @@ def test_the_factory_picks_the_python_sides_where_the_native_layer_does_not_appl
 
     assert router(sockets) is NativeRouterExchange and worker(sockets) is NativeWorkerExchange
     assert router(gloo) is PythonRouterExchange and worker(gloo) is PythonWorkerExchange
-    assert router(sockets, torch.bfloat16) is PythonRouterExchange
+    assert router(sockets, torch.bfloat16) is NativeRouterExchange and router(gloo, torch.bfloat16) is PythonRouterExchange
+    assert router(sockets, torch.float16) is PythonRouterExchange
     bf16_native = native_library.bf16_unavailable_reason() is None
     assert worker(sockets, torch.bfloat16) is (NativeWorkerExchange if bf16_native else PythonWorkerExchange)
     assert worker(gloo, torch.bfloat16) is PythonWorkerExchange

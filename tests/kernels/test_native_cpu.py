@@ -379,13 +379,17 @@ def test_plan_pack_is_the_host_plan_bit_for_bit_with_its_rows_packed(seed):
 
 
 @needs_kernel
-def test_the_exchange_calls_take_float32_on_the_cpu_only_and_obey_the_switch():
+def test_the_exchange_calls_take_float32_and_bfloat16_on_the_cpu_only_and_obey_the_switch():
     cpu = torch.device("cpu")
     assert native_exchange.applies(torch.float32, cpu)
     assert not native_exchange.applies(torch.bfloat16, cpu)
     assert not native_exchange.applies(torch.float32, torch.device("meta"))
+    assert native_exchange.router_applies(torch.bfloat16, cpu)  # (bytes to a router's messages)
+    assert not native_exchange.router_applies(torch.float16, cpu)
+    assert native_exchange.worker_applies(torch.bfloat16, cpu) == (native_library.bf16_unavailable_reason() is None)
     native_cpu.set_enabled(False)
     assert not native_exchange.applies(torch.float32, cpu)
+    assert not native_exchange.router_applies(torch.bfloat16, cpu) and not native_exchange.worker_applies(torch.bfloat16, cpu)
 
 
 # ---- norms and rotary embeddings -----------------------------------------------------------
