@@ -16,6 +16,7 @@ more than half (docs/BENCHMARKS.md).
 from __future__ import annotations
 
 import array
+import os
 
 import torch
 
@@ -25,17 +26,26 @@ from raymoe.kernels.native_cpu import packed_experts
 from raymoe.kernels.native_library import STATE, unavailable_reason
 
 
+ENV = "RAYMOE_NATIVE_EXCHANGE"  # "0": the exchange's Python sides, the native kernels still on (docs/CONFIG.md)
+
+
+def switched_on() -> bool:
+    """Whether this process may take the native layer calls (``RAYMOE_NATIVE_EXCHANGE``, default on)."""
+    return os.environ.get(ENV, "1").lower() not in ("0", "false", "no", "off")
+
+
 def applies(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether every layer call takes rows of ``dtype`` on ``device``: float32 on the CPU, with the
     native library loaded (the transport must lend its sockets too: the caller checks that)."""
-    return STATE.enabled and device.type == "cpu" and dtype == torch.float32 and unavailable_reason() is None
+    return (STATE.enabled and device.type == "cpu" and dtype == torch.float32 and unavailable_reason() is None
+            and switched_on())
 
 
 def router_applies(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a router's messages (:func:`router_layer`, :func:`router_empty_layers`) take rows of
     ``dtype``: float32, or bfloat16 (bytes to them; :func:`router_moe_layer` stays float32's)."""
     if dtype == torch.bfloat16:
-        return STATE.enabled and device.type == "cpu" and unavailable_reason() is None
+        return STATE.enabled and device.type == "cpu" and unavailable_reason() is None and switched_on()
     return applies(dtype, device)
 
 

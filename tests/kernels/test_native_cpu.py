@@ -379,8 +379,12 @@ def test_plan_pack_is_the_host_plan_bit_for_bit_with_its_rows_packed(seed):
 
 
 @needs_kernel
-def test_the_exchange_calls_take_float32_and_bfloat16_on_the_cpu_only_and_obey_the_switch():
+def test_the_exchange_calls_take_float32_and_bfloat16_on_the_cpu_only_and_obey_the_switch(monkeypatch):
     cpu = torch.device("cpu")
+    monkeypatch.setenv("RAYMOE_NATIVE_EXCHANGE", "0")  # the exchange's own switch: its Python sides
+    assert not any(check(dtype, cpu) for dtype in (torch.float32, torch.bfloat16)
+                   for check in (native_exchange.applies, native_exchange.router_applies, native_exchange.worker_applies))
+    monkeypatch.delenv("RAYMOE_NATIVE_EXCHANGE")
     assert native_exchange.applies(torch.float32, cpu)
     assert not native_exchange.applies(torch.bfloat16, cpu)
     assert not native_exchange.applies(torch.float32, torch.device("meta"))
