@@ -398,10 +398,15 @@ AMX_TARGET int raymoe_amx_swiglu_experts(const uint16_t *x, uint16_t *y, const u
  * (kernels/comm/wire.py::RowFormat.per_assignment): payload [N][row_bytes], each row D bfloat16
  * activations, k int32 local slots (-1: none here), k float32 gate weights (unused here: the router
  * weighs). Segment g (seg_rows[g] rows, one router's) maps slot s to pool row maps[g * S + s].
- * Each assignment's input row is gathered pool row by pool row in (row, position) order, every pool
- * row's block runs through raymoe_bf16_swiglu_experts (or AMX's, `amx`) as one job, and the outputs
- * go to out [A][D] bfloat16 in (row, position) order: engine/experts.py::run_assignments' jobs and
- * order, so its bits. Returns the number of assignments, or raymoe_run_rows' statuses. */
+ * The assignments in cpu_f32.c's raymoe_order_assignments order: each one's input row gathered
+ * there, every pool row's run through raymoe_bf16_swiglu_experts (or AMX's, `amx`) as one job, and
+ * the outputs to out [A][D] bfloat16 in (row, position) order: engine/experts.py::run_assignments'
+ * jobs and order, so its bits. Returns the number of assignments, or raymoe_run_rows' statuses. */
+int64_t raymoe_order_assignments(const uint8_t *payload, int64_t N, int64_t row_bytes, int64_t slots_at, int64_t k,
+                                 const int64_t *maps, const int64_t *seg_rows, int64_t segments, int64_t S,
+                                 int64_t P, int64_t expected, int64_t *count, int64_t *where, int64_t *jobs,
+                                 int64_t *n_jobs);
+
 int64_t raymoe_bf16_run_assignments(const uint8_t *payload, int64_t N, int64_t row_bytes, int64_t D, int64_t I,
                                     int64_t k, const int64_t *maps, const int64_t *seg_rows, int64_t segments,
                                     int64_t S, const uint16_t *w13, const uint16_t *w2, int64_t P, int64_t expected,
@@ -410,52 +415,21 @@ int64_t raymoe_bf16_run_assignments(const uint8_t *payload, int64_t N, int64_t r
     if (D % 32 || I % 32 || D <= 0 || I <= 0 || k <= 0 || row_bytes != slots_at + (SLOT_BYTES + WEIGHT_BYTES) * k)
         return STATUS_SHAPE;
     int64_t *count = calloc((size_t)(2 * P + 1), sizeof(int64_t));
-    int64_t *where = malloc(sizeof(int64_t) * (size_t)(N * k + 1)); /* (row, position) -> pool row, then assignment */
-    if (!count || !where) { free(count); free(where); return STATUS_MEMORY_ROWS; }
-    int64_t *start = count + P;
-    int64_t n = 0, total = 0;
-    for (int64_t g = 0; g < segments; g++)
-        for (int64_t r = 0; r < seg_rows[g] && n < N; r++, n++) {
-            const int32_t *slots = (const int32_t *)(payload + n * row_bytes + slots_at);
-            for (int64_t p = 0; p < k; p++) {
-                int64_t pool = -1;
-                if (slots[p] >= 0) {
-                    if (slots[p] >= S) { free(count); free(where); return STATUS_BAD_SLOT; }
-                    pool = maps[g * S + slots[p]];
-                    if (pool < 0 || pool >= P) { free(count); free(where); return STATUS_BAD_SLOT; }
-                    count[pool]++;
-                    total++;
-                }
-                where[n * k + p] = pool;
-            }
-        }
-    if (n != N) { free(count); free(where); return STATUS_SHAPE; }
-    if (total != expected) { free(count); free(where); return STATUS_ASSIGNMENTS; }
+    int64_t *where = malloc(sizeof(int64_t) * (size_t)(N * k + 1)); /* (row, position) -> assignment, or -1 */
     int64_t *jobs = malloc(sizeof(int64_t) * (size_t)(3 * P + 1));
+    if (!count || !where || !jobs) { free(count); free(where); free(jobs); return STATUS_MEMORY_ROWS; }
+    int64_t n_jobs = 0;
+    const int64_t total = raymoe_order_assignments(payload, N, row_bytes, slots_at, k, maps, seg_rows, segments, S, P,
+                                                   expected, count, where, jobs, &n_jobs);
+    if (total < 0) { free(count); free(where); free(jobs); return total; }
     uint16_t *x = malloc(sizeof(uint16_t) * (size_t)((total ? total : 1) * D));
     uint16_t *y = malloc(sizeof(uint16_t) * (size_t)((total ? total : 1) * D));
     uint16_t *scratch = malloc(sizeof(uint16_t) * (size_t)(CHUNK_ROWS * I));
-    if (!jobs || !x || !y || !scratch) {
+    if (!x || !y || !scratch) {
         free(count); free(where); free(jobs); free(x); free(y); free(scratch); return STATUS_MEMORY_ROWS;
     }
-    int64_t n_jobs = 0, offset = 0;
-    for (int64_t pool = 0; pool < P; pool++) {
-        start[pool] = offset;
-        if (count[pool]) {
-            jobs[3 * n_jobs] = pool;
-            jobs[3 * n_jobs + 1] = offset;
-            jobs[3 * n_jobs + 2] = offset + count[pool];
-            n_jobs++;
-        }
-        offset += count[pool];
-    }
-    for (int64_t flat = 0; flat < N * k; flat++) {
-        const int64_t pool = where[flat];
-        if (pool < 0) continue;
-        const int64_t a = start[pool]++;
-        where[flat] = a;
-        memcpy(x + a * D, payload + (flat / k) * row_bytes, sizeof(uint16_t) * (size_t)D);
-    }
+    for (int64_t flat = 0; flat < N * k; flat++)
+        if (where[flat] >= 0) memcpy(x + where[flat] * D, payload + (flat / k) * row_bytes, sizeof(uint16_t) * (size_t)D);
     int status = total ? (amx ? raymoe_amx_swiglu_experts(x, y, w13, w2, jobs, n_jobs, D, I, scratch)
                               : raymoe_bf16_swiglu_experts(x, y, w13, w2, jobs, n_jobs, D, I, scratch))
                        : 0;

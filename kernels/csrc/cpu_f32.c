@@ -214,14 +214,66 @@ int raymoe_rope(const float *x, int64_t stride, const float *cos, const float *s
     return 0;
 }
 
+/* The order of a worker's assignments (raymoe_run_rows below; cpu_bf16.c's
+ * raymoe_bf16_run_assignments): payload holds N rows of row_bytes bytes, each with k int32 local
+ * slots at byte slots_at (-1: runs nowhere here), in segments (one per router, in order, seg_rows[g]
+ * rows each) whose local slot s is served by pool row maps[g * S + s]. Assignments are ordered by
+ * pool row, and within one by (row, position), as a stable sort of the flat positions would order
+ * them. Fills where[N * k] (each (row, position)'s assignment, or -1) and jobs [P][3] (pool row,
+ * first, end: each pool row's run, in pool row order), using count [2P] (zeroed) as scratch.
+ * Returns the number of assignments with *n_jobs set, STATUS_SHAPE when the segments do not hold N
+ * rows, STATUS_BAD_SLOT a slot or pool row out of range, STATUS_ASSIGNMENTS when the assignments
+ * differ from `expected`. */
+int64_t raymoe_order_assignments(const uint8_t *payload, int64_t N, int64_t row_bytes, int64_t slots_at, int64_t k,
+                                 const int64_t *maps, const int64_t *seg_rows, int64_t segments, int64_t S,
+                                 int64_t P, int64_t expected, int64_t *count, int64_t *where, int64_t *jobs,
+                                 int64_t *n_jobs) {
+    int64_t *start = count + P;
+    /* Pass 1: each (row, position)'s pool row, counted. */
+    int64_t n = 0, total = 0;
+    for (int64_t g = 0; g < segments; g++)
+        for (int64_t r = 0; r < seg_rows[g]; r++, n++) {
+            if (n >= N) return STATUS_SHAPE;
+            const int32_t *slots = (const int32_t *)(payload + n * row_bytes + slots_at);
+            for (int64_t p = 0; p < k; p++) {
+                int64_t pool = -1;
+                if (slots[p] >= 0) {
+                    if (slots[p] >= S) return STATUS_BAD_SLOT;
+                    pool = maps[g * S + slots[p]];
+                    if (pool < 0 || pool >= P) return STATUS_BAD_SLOT;
+                    count[pool]++;
+                    total++;
+                }
+                where[n * k + p] = pool;
+            }
+        }
+    if (n != N) return STATUS_SHAPE;
+    if (total != expected) return STATUS_ASSIGNMENTS;
+    /* Pass 2: each pool row's run, then each (row, position)'s place in it. */
+    int64_t offset = 0;
+    *n_jobs = 0;
+    for (int64_t pool = 0; pool < P; pool++) {
+        start[pool] = offset;
+        if (count[pool]) {
+            jobs[3 * *n_jobs] = pool;
+            jobs[3 * *n_jobs + 1] = offset;
+            jobs[3 * *n_jobs + 2] = offset + count[pool];
+            (*n_jobs)++;
+        }
+        offset += count[pool];
+    }
+    for (int64_t flat = 0; flat < N * k; flat++)
+        if (where[flat] >= 0) where[flat] = start[where[flat]]++;
+    return total;
+}
+
 /* A worker's received rows through its experts (engine/experts.py::run_rows, in one call).
  * payload: N rows of row_bytes bytes each: D floats, then k int32 local slots (-1: runs
  * nowhere here), then k float32 gate weights. Rows come in segments (one per router, in order,
  * seg_rows[g] rows each); maps[g][s] is the pool row that serves local slot s for segment g.
- * Assignments are ordered by pool row, and within one by (row, position), as a stable sort of
- * the flat positions would order them; each pool row's run goes through the experts kernel
- * above; then out[n] = sum over positions p in order of (y * w) from zero, each product and
- * each sum rounded: the arithmetic of the torch path, so the same bits.
+ * Assignments are ordered as raymoe_order_assignments orders them; each pool row's run goes
+ * through the experts kernel above; then out[n] = sum over positions p in order of (y * w) from
+ * zero, each product and each sum rounded: the arithmetic of the torch path, so the same bits.
  * w13/w2 packed as for raymoe_swiglu_experts; P pool rows. Returns the number of assignments,
  * STATUS_SHAPE on a shape it does not take, STATUS_MEMORY_ROWS out of memory, STATUS_BAD_SLOT a
  * slot or pool row out of range, STATUS_ASSIGNMENTS when the assignments differ from `expected`. */
@@ -232,51 +284,21 @@ __attribute__((target("avx512f"))) int64_t raymoe_run_rows(
     if (D % 32 || I % 16 || D <= 0 || I <= 0 || k <= 0 || row_bytes != ROW_BYTES(D, k)) return STATUS_SHAPE;
     int64_t *count = calloc((size_t)(2 * P + 1), sizeof(int64_t));
     int64_t *where = malloc(sizeof(int64_t) * (size_t)(N * k + 1)); /* (row, position) -> assignment, or -1 */
-    if (!count || !where) { free(count); free(where); return STATUS_MEMORY_ROWS; }
-    int64_t *start = count + P;
-    /* Pass 1: each (row, position)'s pool row, counted. */
-    int64_t n = 0, total = 0;
-    for (int64_t g = 0; g < segments; g++)
-        for (int64_t r = 0; r < seg_rows[g]; r++, n++) {
-            const int32_t *slots = (const int32_t *)(payload + n * row_bytes + ROW_SLOTS_AT(D));
-            for (int64_t p = 0; p < k; p++) {
-                int64_t pool = -1;
-                if (slots[p] >= 0) {
-                    if (slots[p] >= S) { free(count); free(where); return STATUS_BAD_SLOT; }
-                    pool = maps[g * S + slots[p]];
-                    if (pool < 0 || pool >= P) { free(count); free(where); return STATUS_BAD_SLOT; }
-                    count[pool]++;
-                    total++;
-                }
-                where[n * k + p] = pool;
-            }
-        }
-    if (n != N) { free(count); free(where); return STATUS_SHAPE; }
-    if (total != expected) { free(count); free(where); return STATUS_ASSIGNMENTS; }
-    /* Pass 2: place the assignments, pool row by pool row, in (row, position) order. */
     int64_t *jobs = malloc(sizeof(int64_t) * (size_t)(3 * P + 1));
+    if (!count || !where || !jobs) { free(count); free(where); free(jobs); return STATUS_MEMORY_ROWS; }
+    int64_t n_jobs = 0;
+    const int64_t total = raymoe_order_assignments(payload, N, row_bytes, ROW_SLOTS_AT(D), k, maps, seg_rows, segments,
+                                                   S, P, expected, count, where, jobs, &n_jobs);
+    if (total < 0) { free(count); free(where); free(jobs); return total; }
     float *x = malloc(sizeof(float) * (size_t)((total ? total : 1) * D));
     float *y = malloc(sizeof(float) * (size_t)((total ? total : 1) * D));
     float *scratch = malloc(sizeof(float) * (size_t)(CHUNK_ROWS * I));
-    if (!jobs || !x || !y || !scratch) {
+    if (!x || !y || !scratch) {
         free(count); free(where); free(jobs); free(x); free(y); free(scratch); return STATUS_MEMORY_ROWS;
     }
-    int64_t n_jobs = 0, offset = 0;
-    for (int64_t pool = 0; pool < P; pool++) {
-        start[pool] = offset;
-        if (count[pool]) {
-            jobs[3 * n_jobs] = pool;
-            jobs[3 * n_jobs + 1] = offset;
-            jobs[3 * n_jobs + 2] = offset + count[pool];
-            n_jobs++;
-        }
-        offset += count[pool];
-    }
     for (int64_t flat = 0; flat < N * k; flat++) {
-        int64_t pool = where[flat];
-        if (pool < 0) continue;
-        int64_t a = start[pool]++;
-        where[flat] = a;
+        const int64_t a = where[flat];
+        if (a < 0) continue;
         const float *row = (const float *)(payload + (flat / k) * row_bytes);
         for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(x + a * D + d, _mm512_loadu_ps(row + d));
     }
