@@ -126,7 +126,7 @@ class DeltaChannelServer:
                 subscriber = receive_exactly(connection, size, CLOSED_IN_HELLO).decode()
                 connection.settimeout(None)
                 connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except (OSError, ConnectionError, UnicodeDecodeError) as error:
+            except (OSError, UnicodeDecodeError) as error:  # (ConnectionError is an OSError)
                 LOG.info("delta channel: no valid hello from %s (%s); closed", _peer(connection), error)
                 return
             target = self.attach(subscriber)
@@ -194,7 +194,7 @@ class DeltaChannelServer:
                         if message[1] in slow:
                             slow[message[1]] = True
                     self.abort(message[1])
-        except (OSError, ConnectionError, RuntimeError):  # closed (RuntimeError: the pool, at shutdown)
+        except (OSError, RuntimeError):  # closed (RuntimeError: the pool, at shutdown)
             pass
         except Exception:  # a frame it cannot read: a bug on one side; the connection ends, its requests move
             LOG.exception("delta channel: a frame from the ingress could not be read; closing")

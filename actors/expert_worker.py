@@ -62,7 +62,7 @@ from raymoe.engine.exchange.ep_exchange import GroupLayout, WorkerExchange, work
 from raymoe.engine.exchange.worker_warm_up import warm_up_experts
 from raymoe.engine.host_memory import allocator_in_use, keep_freed_memory
 from raymoe.engine.weights import load_expert_stack, read_expert_into
-from raymoe.kernels import native_cpu, packed_linear
+from raymoe.kernels import huge_pages, native_cpu, packed_linear
 from raymoe.kernels.expert_mlp import kernel_name
 from raymoe.kernels.comm import CommBackend, make_communicator, new_rendezvous
 from raymoe.kernels.comm.base import Communicator
@@ -266,6 +266,7 @@ class ExpertWorker:
         # be called, not inside the group's first step under the workers' deadline.
         self.warm_up = warm_up_experts(self.w13, self.w2, self.config.top_k,
                                        self.executor if self.device.type == "cpu" else None)
+        self.huge_pages = huge_pages.report(f"worker {worker}")  # its experts' stacks (kernels/huge_pages.py)
         self.frozen_objects = freeze_loaded_heap()  # last: what loading built lives as long as this actor
 
     def load_placement(self, placement: dict[str, Any]) -> dict[str, Any]:
@@ -382,6 +383,7 @@ class ExpertWorker:
             "expert_kernel": self.expert_kernel,  # native-avx512, onednn or torch (kernels/expert_mlp.py)
             "warm_up": self.warm_up,  # per expert shape: run once before joining (engine/experts.py)
             "frozen_objects": self.frozen_objects,  # actors/heap_freeze.py
+            "huge_pages": self.huge_pages,  # resident weights and of them on 2 MiB pages, after loading
             "niceness": os.nice(0),
             "epochs": sorted(self.slot_rows),
             "experts": self.experts[latest] if latest is not None else [],

@@ -42,7 +42,7 @@ from raymoe.engine.exchange.remote_experts import RemoteExperts
 from raymoe.engine.sampling_params import SamplingParams
 from raymoe.engine.telemetry import Telemetry
 from raymoe.engine.tokenizer import Tokenizer
-from raymoe.kernels import native_cpu
+from raymoe.kernels import huge_pages, native_cpu
 from raymoe.kernels.attention_flashinfer import warm_up_attention
 from raymoe.kernels.comm import CommBackend, CommError, make_communicator, new_rendezvous
 from raymoe.engine.hf_config import load_model_config
@@ -211,6 +211,7 @@ class Router:
         # A group formed beside the one in service (prepare_switch), switched to after the next
         # idle tick the routers agree on (a re-include's make-before-break; actors/recovery.py).
         self._pending: PendingGroup | None = None
+        self.huge_pages = huge_pages.report(f"router {self.router_id}")  # its dense layers (kernels/huge_pages.py)
         self.frozen_objects = freeze_loaded_heap()  # last: what loading built lives as long as this actor
 
     def _warm_up(self) -> dict[str, Any]:
@@ -756,6 +757,7 @@ class Router:
                 "warm_up": self.warm_up,
                 "generated_tokens": self.generated_tokens, "micro_batched_steps": self.experts.micro_batched_steps,
                 "ping_pong_steps": self.experts.ping_pongs, "frozen_objects": self.frozen_objects,
+                "huge_pages": self.huge_pages,  # resident weights and of them on 2 MiB pages, after loading
                 "delta_channels": self._channel.connections if self._channel else 0}
 
     def shutdown(self) -> None:

@@ -3,6 +3,7 @@ lie, and that they are the checkpoint's bytes."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import pytest
@@ -79,3 +80,30 @@ def test_read_stacked_is_the_checkpoints_tensors_concatenated(tmp_path):
         read_stacked(checkpoint, ("q", "v"), torch.bfloat16)
     with pytest.raises(CheckpointError, match="do not stack"):
         read_stacked(checkpoint, ("q", "norm"), torch.bfloat16)
+
+
+def test_coverage_counts_the_resident_weights_and_their_huge_pages(caplog):
+    tensor = huge_page_empty(((16 << 20) // 2,), torch.bfloat16)  # 16 MiB
+    before_resident, _ = huge_pages.coverage()
+    tensor.fill_(1)  # resident only once written
+    resident, huge = huge_pages.coverage()
+    assert resident - before_resident >= 16 << 20 and 0 <= huge <= resident
+    if thp_mode() in ("always", "madvise"):
+        assert huge >= HUGE_PAGE
+    with caplog.at_level("WARNING", logger="raymoe.kernels"):
+        assert huge_pages.report("test") == {"resident_bytes": resident, "huge_bytes": huge}
+
+
+def test_a_mapping_the_kernel_keeps_on_small_pages_is_reported_with_the_remedy(caplog):
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    size = 128 << 20  # more than this process' other huge-page tensors together (tiny test models)
+    tensor = huge_page_empty((size // 2,), torch.bfloat16)
+    before_resident, before_huge = huge_pages.coverage()
+    assert libc.madvise(tensor.data_ptr(), size, 15) == 0  # MADV_NOHUGEPAGE before a page is touched
+    tensor.fill_(1)
+    resident, huge = huge_pages.coverage()
+    assert resident - before_resident >= size and huge == before_huge and huge * 2 < resident
+    with caplog.at_level("WARNING", logger="raymoe.kernels"):
+        assert huge_pages.report("worker 3") == {"resident_bytes": resident, "huge_bytes": huge}
+    assert "worker 3" in caplog.text and "compact_memory" in caplog.text
