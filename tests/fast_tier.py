@@ -52,6 +52,7 @@ FAST_TIER = [
     # the EP exchange
     "tests/engine/test_ep_native_layer.py::test_the_factory_picks_the_python_sides_where_the_native_layer_does_not_apply",
     "tests/engine/test_ep_native_layer.py::test_a_silent_router_times_out_naming_it",
+    "tests/engine/test_ep_native_layer.py::test_native_bf16_sides_give_the_python_sides_outputs_bit_for_bit",
     "tests/engine/test_ep_host_syncs.py::test_at_most_two_syncs_per_layer_per_side_and_outputs_equal_the_engine",
     # actors: the EP group on Ray, the controller, recovery, routers
     "tests/actors/test_expert_parallel.py::test_outputs_equal_the_in_process_engine[contiguous-2w-1r-unpinned-system-malloc]",
