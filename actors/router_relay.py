@@ -201,15 +201,13 @@ class RouterRelay:
                             await self.routers[router].submit.remote(self.subscriber, attempt, prompt_ids, params,
                                                                      list(tokens) or None)
                         except ValueError as error:  # its engine refused it (validate_prompt: e.g. its KV never fits)
-                            finished = True
-                            yield StepFailure(request_id, str(error), public=str(getattr(error, "cause", error)),
-                                              status=400)
-                            return
+                            deltas.put_nowait(StepFailure(attempt, str(error), status=400,
+                                                          public=str(getattr(error, "cause", error))))
                     while True:
                         item = await deltas.get()
                         if isinstance(item, RouterLost):
                             raise item
-                        if isinstance(item, StepFailure) and item.status == 400:  # refused (over the channel)
+                        if isinstance(item, StepFailure) and item.status == 400:  # refused, by either path
                             finished = True
                             yield StepFailure(request_id, item.message, public=item.public, status=400)
                             return
