@@ -56,16 +56,15 @@ def huge_page_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> 
     return torch.frombuffer(region, dtype=dtype, count=count, offset=(-start) % HUGE_PAGE).view(shape)
 
 
-
 def coverage() -> tuple[int, int]:
     """``(resident bytes, of them on 2 MiB pages)`` of this process' :func:`huge_page_empty`
     mappings still mapped (/proc/self/smaps; (0, 0) where it cannot be read). Where free memory is
     fragmented the kernel hands out fewer huge pages than asked, silently, and every step reads the
-    weights on 4 KiB pages (5-10% slower here): a deployment logs this after loading and its
-    routers and workers report it (``info()["huge_pages"]``)."""
-    resident = huge = 0
+    weights on 4 KiB pages (5-10% slower here): routers and workers report it after loading
+    (:func:`report`, ``info()["huge_pages"]``)."""
     if not _regions:
         return 0, 0
+    resident = huge = 0
     try:
         with open("/proc/self/smaps") as handle:
             inside = False

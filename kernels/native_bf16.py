@@ -150,13 +150,18 @@ def _unpin() -> None:
         os.sched_setaffinity(0, os.sched_getaffinity(os.getpid()))
 
 
+def experts_fit(hidden_size: int, intermediate_size: int) -> bool:
+    """Whether the experts kernels take these sizes: D and I multiples of 32."""
+    return hidden_size % 32 == 0 and intermediate_size % 32 == 0
+
+
 def experts_apply(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether :func:`swiglu_jobs` takes these rows and stacks (``[Sp, 2I, D]``, ``[Sp, D, I]``):
-    bfloat16 on the CPU, contiguous stacks, D and I multiples of 32, AVX512_BF16."""
+    bfloat16 on the CPU, contiguous stacks, sizes :func:`experts_fit` takes, AVX512_BF16."""
     if not (_takes(x, w13, w2) and x.numel() > 0 and w13.is_contiguous() and w2.is_contiguous()):
         return False
     hidden, intermediate = w13.shape[2], w2.shape[2]
-    if hidden % 32 or intermediate % 32 or w13.shape[1] != 2 * intermediate or w2.shape[1] != hidden:
+    if not experts_fit(hidden, intermediate) or w13.shape[1] != 2 * intermediate or w2.shape[1] != hidden:
         return False
     return bf16_unavailable_reason() is None
 

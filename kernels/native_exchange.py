@@ -34,19 +34,21 @@ def switched_on() -> bool:
     return os.environ.get(ENV, "1").lower() not in ("0", "false", "no", "off")
 
 
+def _runs_here(device: torch.device) -> bool:
+    """The native library loaded and switched on, on the CPU (the transport must lend its sockets
+    too: the caller checks that)."""
+    return STATE.enabled and device.type == "cpu" and unavailable_reason() is None and switched_on()
+
+
 def applies(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether every layer call takes rows of ``dtype`` on ``device``: float32 on the CPU, with the
-    native library loaded (the transport must lend its sockets too: the caller checks that)."""
-    return (STATE.enabled and device.type == "cpu" and dtype == torch.float32 and unavailable_reason() is None
-            and switched_on())
+    """Whether every layer call takes rows of ``dtype`` on ``device``: float32 on the CPU."""
+    return dtype == torch.float32 and _runs_here(device)
 
 
 def router_applies(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a router's messages (:func:`router_layer`, :func:`router_empty_layers`) take rows of
     ``dtype``: float32, or bfloat16 (bytes to them; :func:`router_moe_layer` stays float32's)."""
-    if dtype == torch.bfloat16:
-        return STATE.enabled and device.type == "cpu" and unavailable_reason() is None and switched_on()
-    return applies(dtype, device)
+    return dtype in (torch.float32, torch.bfloat16) and _runs_here(device)
 
 
 def worker_applies(dtype: torch.dtype, device: torch.device) -> bool:
@@ -54,7 +56,7 @@ def worker_applies(dtype: torch.dtype, device: torch.device) -> bool:
     the bfloat16 kernels run here (its experts are theirs; each assignment's output goes back, as
     ``RowFormat.per_assignment`` says)."""
     if dtype == torch.bfloat16:
-        return router_applies(dtype, device) and native_bf16.bf16_unavailable_reason() is None
+        return _runs_here(device) and native_bf16.bf16_unavailable_reason() is None
     return applies(dtype, device)
 
 

@@ -108,6 +108,8 @@ def c_header() -> str:
     lines += ["/* A dispatched row of D float32 activations and k positions (kernels/comm/wire.py::RowFormat):",
               " * its bytes, and where its k slots start (its k weights follow them). */",
               "#define ROW_BYTES(D, k) (4 * (D) + (SLOT_BYTES + WEIGHT_BYTES) * (k))",
+              "/* the same row with A-byte activations (2: bfloat16) */",
+              "#define ROW_BYTES_OF(A, D, k) ((A) * (D) + (SLOT_BYTES + WEIGHT_BYTES) * (k))",
               "#define ROW_SLOTS_AT(D) (4 * (D))",
               "#define RAYMOE_CONSTANTS(X) " + " ".join(f"X({name})" for name in values if name not in MEASURED),
               "#endif", ""]

@@ -56,7 +56,7 @@ import torch
 from raymoe.engine.exchange.native_sides import NativeRouterExchange, NativeWorkerExchange
 from raymoe.engine.exchange.python_sides import PythonRouterExchange, PythonWorkerExchange
 from raymoe.engine.exchange.sides import RouterExchange, WorkerExchange, WorkerLayerResult
-from raymoe.kernels import native_cpu, native_exchange
+from raymoe.kernels import native_bf16, native_cpu, native_exchange
 from raymoe.kernels.comm.base import Communicator
 from raymoe.kernels.comm.wire import GroupLayout
 
@@ -90,7 +90,8 @@ def worker_exchange(comm: Communicator, layout: GroupLayout, slots_per_worker: i
 
 
 def _experts_fit(dtype: torch.dtype, device: torch.device, hidden_size: int, intermediate_size: int) -> bool:
-    """Whether the native layer's experts take these sizes in ``dtype`` (asked of stand-ins: no memory)."""
-    if dtype == torch.bfloat16:  # (native_bf16.experts_apply's sizes; the stacks are contiguous pools)
-        return hidden_size % 32 == 0 and intermediate_size % 32 == 0 and native_exchange.worker_applies(dtype, device)
+    """Whether the native layer's experts take these sizes in ``dtype`` (the bfloat16 kernels take the
+    stacks as they lie: contiguous pools; float32's are asked of stand-ins: no memory)."""
+    if dtype == torch.bfloat16:
+        return native_bf16.experts_fit(hidden_size, intermediate_size)
     return native_cpu.experts_fit(dtype, device, hidden_size, intermediate_size)

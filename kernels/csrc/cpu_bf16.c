@@ -412,7 +412,7 @@ int64_t raymoe_bf16_run_assignments(const uint8_t *payload, int64_t N, int64_t r
                                     int64_t S, const uint16_t *w13, const uint16_t *w2, int64_t P, int64_t expected,
                                     int64_t amx, uint16_t *out) {
     const int64_t slots_at = 2 * D;
-    if (D % 32 || I % 32 || D <= 0 || I <= 0 || k <= 0 || row_bytes != slots_at + (SLOT_BYTES + WEIGHT_BYTES) * k)
+    if (D % 32 || I % 32 || D <= 0 || I <= 0 || k <= 0 || row_bytes != ROW_BYTES_OF(2, D, k))
         return STATUS_SHAPE;
     int64_t *count = calloc((size_t)(2 * P + 1), sizeof(int64_t));
     int64_t *where = malloc(sizeof(int64_t) * (size_t)(N * k + 1)); /* (row, position) -> assignment, or -1 */

@@ -234,7 +234,7 @@ int64_t raymoe_worker_layer(
     if (!w13 || !w2 || !maps || P <= 0 || I <= 0 || (bf16 && !raymoe_bf16_run_assignments)) return STATUS_ARGUMENTS;
     /* Sizes, and each router's pool rows by its epoch. */
     const int64_t act = bf16 ? 2 : 4; /* bytes of an activation */
-    const int64_t row_bytes = act * D + (SLOT_BYTES + WEIGHT_BYTES) * k;
+    const int64_t row_bytes = ROW_BYTES_OF(act, D, k);
     int64_t total = 0, segments = 0, expected = 0;
     int64_t *seg_rows = malloc(sizeof(int64_t) * (size_t)R);
     int64_t *seg_maps = malloc(sizeof(int64_t) * (size_t)(R * S));

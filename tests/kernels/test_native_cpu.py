@@ -202,6 +202,8 @@ def test_the_generated_header_defines_every_constant_and_the_row_format():
     row = wire.RowFormat(64, 2, torch.float32)
     assert row.row_bytes == 4 * 64 + (wire.SLOT_BYTES + wire.WEIGHT_BYTES) * 2 == wire.row_bytes(64, 2)
     assert "#define ROW_BYTES(D, k) (4 * (D) + (SLOT_BYTES + WEIGHT_BYTES) * (k))" in header
+    assert wire.RowFormat(64, 2, torch.bfloat16).row_bytes == 2 * 64 + (wire.SLOT_BYTES + wire.WEIGHT_BYTES) * 2
+    assert "#define ROW_BYTES_OF(A, D, k) ((A) * (D) + (SLOT_BYTES + WEIGHT_BYTES) * (k))" in header
 
 
 @needs_kernel
@@ -382,8 +384,8 @@ def test_plan_pack_is_the_host_plan_bit_for_bit_with_its_rows_packed(seed):
 def test_the_exchange_calls_take_float32_and_bfloat16_on_the_cpu_only_and_obey_the_switch(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setenv("RAYMOE_NATIVE_EXCHANGE", "0")  # the exchange's own switch: its Python sides
-    assert not any(check(dtype, cpu) for dtype in (torch.float32, torch.bfloat16)
-                   for check in (native_exchange.applies, native_exchange.router_applies, native_exchange.worker_applies))
+    checks = (native_exchange.applies, native_exchange.router_applies, native_exchange.worker_applies)
+    assert not any(check(dtype, cpu) for dtype in (torch.float32, torch.bfloat16) for check in checks)
     monkeypatch.delenv("RAYMOE_NATIVE_EXCHANGE")
     assert native_exchange.applies(torch.float32, cpu)
     assert not native_exchange.applies(torch.bfloat16, cpu)
@@ -393,7 +395,8 @@ def test_the_exchange_calls_take_float32_and_bfloat16_on_the_cpu_only_and_obey_t
     assert native_exchange.worker_applies(torch.bfloat16, cpu) == (native_library.bf16_unavailable_reason() is None)
     native_cpu.set_enabled(False)
     assert not native_exchange.applies(torch.float32, cpu)
-    assert not native_exchange.router_applies(torch.bfloat16, cpu) and not native_exchange.worker_applies(torch.bfloat16, cpu)
+    assert not native_exchange.router_applies(torch.bfloat16, cpu)
+    assert not native_exchange.worker_applies(torch.bfloat16, cpu)
 
 
 # ---- norms and rotary embeddings -----------------------------------------------------------
